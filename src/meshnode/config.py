@@ -128,8 +128,9 @@ class SpectralConfig:
     tau: float = 1e-3
     beta: float = 0.95
     rank: int = 0  # 0 = full thin SVD
-    mode: str = "filter"  # filter | clean_every | delayed_ef
+    mode: str = "filter"  # filter | clean_every | delayed_ef | bias_correction
     clean_every: int = 10
+    ema_init: str = "first"  # first (M = first anchor gradient) | zero (M = (1 - beta) * G)
     targets: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
@@ -182,7 +183,8 @@ _CHOICES = {
     "mask.rescale": ("none", "inv_keep", "rms"),
     "mask.codec": ("mask", "topk", "int8", "int4", "dense"),
     "mask.wire_dtype": ("bfloat16", "float16", "float32"),
-    "spectral.mode": ("filter", "clean_every", "delayed_ef"),
+    "spectral.mode": ("filter", "clean_every", "delayed_ef", "bias_correction"),
+    "spectral.ema_init": ("first", "zero"),
     "model.tokenizer": ("model", "bytes"),
     "model.dtype": ("float32", "bfloat16", "float16"),
 }

@@ -1,0 +1,47 @@
+"""Turn a ``meshnode train`` checkpoint into a plain Hugging Face model directory.
+
+The lm_head was untied from the embeddings when the model was cut, and training moved the two
+apart, so the exported config says ``tie_word_embeddings = false``. Replica 0's weights are written
+(after a DP sync all replicas hold the same start weights; between syncs they differ slightly).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from ..model import assemble_hf_model, cut_model
+
+logger = logging.getLogger(__name__)
+
+
+def export_checkpoint(checkpoint: Path, out: Path, replica: int = 0) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    checkpoint, out = Path(checkpoint), Path(out)
+    meta_path = checkpoint / "trainer.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"not a meshnode checkpoint (no trainer.json): {checkpoint}")
+    meta = json.loads(meta_path.read_text())
+    config = AutoConfig.from_pretrained(str(checkpoint / "hf_config.json"), local_files_only=True)
+    stages_n = int(meta["stages"])
+    boundaries = meta["config"]["model"]["boundaries"]
+    skeleton = AutoModelForCausalLM.from_config(config)
+    stages = cut_model(skeleton, stages_n, boundaries)
+    for s, module in stages.items():
+        module.load_state_dict(load_file(str(checkpoint / f"replica{replica}-stage{s}.safetensors")))
+    model = assemble_hf_model(config, [stages[s] for s in range(stages_n)])
+    model.to(torch.float32)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tok_dir = checkpoint / "tokenizer"
+    if tok_dir.is_dir():
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True).save_pretrained(str(out))
+    else:
+        logger.warning("the checkpoint has no tokenizer (byte-level run): %s holds the model only", out)
+    return out

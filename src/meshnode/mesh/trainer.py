@@ -1,0 +1,266 @@
+"""The in-process mesh: X fast replicas of a Y-stage pipeline (plus an anchor replica) in one process.
+
+It is the reference implementation of the method: the swarm (``meshnode.node``) wraps the same
+:class:`~meshnode.stage.StageWorker` objects with RPCs and must reproduce these losses. With X = 1,
+masking off and no anchor it is the dense reference training of ``meshnode train``.
+
+One optimizer step of the mesh:
+
+1. every replica r draws ``train.microbatches`` batches from its own data shard (shard r of X) and
+   pushes each through its stages (masked boundaries after ``mask.warmup_steps``), then backward;
+2. every stage worker clips and steps (spectral correction when priors are present);
+3. DP: every ``dp.inner_steps`` (per fragment, staggered) the replicas of each stage all-reduce their
+   PowerSGD-compressed pseudo-gradients and take a DiLoCo outer step (``meshnode.mesh.dp``);
+4. anchor: every ``anchor.period`` steps the anchor snapshots replica 0's weights, and
+   ``anchor.period`` steps later (the delay the swarm would see) its prior reaches every fast
+   optimizer (``meshnode.mesh.anchor``).
+
+Checkpoints hold every worker's weights (safetensors), optimizer and DP/anchor state (torch.save),
+and the step, which is also the data position; a resumed run continues with bit-identical losses.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..compression import ByteCounter
+from ..config import RunConfig
+from ..data import BatchSource, heldout_batches, make_tokenizer, prepare_corpus
+from ..model import StageModule, cut_model, load_model
+from ..optim import lr_at
+from ..stage import MicrobatchId, StageWorker, causal_lm_loss
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = 1
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    tokens: int
+    wall_s: float
+    heldout_loss: float
+    losses: list[float] = field(default_factory=list)
+    bytes: dict[str, int] = field(default_factory=dict)
+
+    def bytes_per_token(self) -> dict[str, float]:
+        return {k: v / max(1, self.tokens) for k, v in self.bytes.items()}
+
+
+class MeshTrainer:
+    """Build the model, cut it, replicate it X times, and train it as the run config says."""
+
+    def __init__(self, cfg: RunConfig, cache_dir: Path, progress: Callable[[dict], None] | None = None):
+        self.cfg = cfg
+        self.cache_dir = cache_dir
+        self.progress = progress
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        model, hf_tok = load_model(cfg.model, cache_dir)
+        self.hf_config = copy.deepcopy(model.config)
+        self.hf_tokenizer = hf_tok
+        self.tokenizer = make_tokenizer(cfg.model, hf_tok)
+        if self.tokenizer.vocab_size > model.config.vocab_size:
+            raise ValueError(
+                f"tokenizer vocab {self.tokenizer.vocab_size} exceeds the model's {model.config.vocab_size}"
+            )
+        self.corpus = prepare_corpus(cfg.data, self.tokenizer, cache_dir)
+        self.eval_set = heldout_batches(self.corpus.heldout, cfg.train.batch_size, cfg.train.eval_batches)
+        stages = cut_model(model, cfg.model.stages, cfg.model.boundaries)
+        del model
+        self.num_stages = cfg.model.stages
+        self.replicas = cfg.dp.replicas if cfg.dp.enabled or cfg.dp.replicas > 1 else 1
+        self.counter = ByteCounter()
+        # replica 0 owns the cut modules, the others deep copies (identical start weights)
+        self.workers: list[list[StageWorker]] = []
+        for r in range(self.replicas):
+            mods = stages if r == 0 else {s: copy.deepcopy(m) for s, m in stages.items()}
+            self.workers.append(
+                [StageWorker(mods[s], cfg, replica=r, counter=self.counter) for s in range(self.num_stages)]
+            )
+        self.sources = [
+            BatchSource(
+                self.corpus.train, cfg.train.batch_size, shard=r, num_shards=self.replicas, seed=cfg.train.seed
+            )
+            for r in range(self.replicas)
+        ]
+        self.step = 0
+        self.tokens = 0
+        self.losses: list[float] = []
+        self.extensions: list = []  # DP and anchor hooks: objects with after_step(trainer, step) / state
+        from .anchor import maybe_anchor
+        from .dp import maybe_dp
+
+        for ext in (maybe_dp(self), maybe_anchor(self)):
+            if ext is not None:
+                self.extensions.append(ext)
+
+    # ------------------------------------------------------------------------------------------
+
+    def stage_modules(self, replica: int = 0) -> list[StageModule]:
+        return [w.module for w in self.workers[replica]]
+
+    def run_microbatch(self, workers: list[StageWorker], mb: MicrobatchId, ids: torch.Tensor) -> float:
+        """Forward and backward of one microbatch through a chain of workers; returns its loss."""
+        x = ids
+        for w in workers[:-1]:
+            x = w.forward(mb, x)
+        loss = workers[-1].forward(mb, x, labels=ids)
+        grad = None
+        for w in reversed(workers):
+            grad = w.backward(mb, grad)
+        return loss
+
+    def train_step(self) -> dict:
+        cfg = self.cfg
+        step = self.step
+        lr = lr_at(step, cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
+        losses = []
+        tokens = 0
+        for r, workers in enumerate(self.workers):
+            for m in range(cfg.train.microbatches):
+                ids = self.sources[r].batch(step * cfg.train.microbatches + m)
+                losses.append(self.run_microbatch(workers, MicrobatchId(step, m), ids))
+                tokens += ids.numel()
+            for w in workers:
+                w.step(step, lr)
+        for ext in self.extensions:
+            ext.after_step(self, step)
+        self.step += 1
+        self.tokens += tokens
+        loss = sum(losses) / len(losses)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {step}")
+        self.losses.append(loss)
+        return {"step": step, "tokens": self.tokens, "loss": loss, "lr": lr}
+
+    @torch.no_grad()
+    def heldout_loss(self, replica: int = 0, batches: list[torch.Tensor] | None = None) -> float:
+        """Mean held-out loss of one replica, unmasked (evaluation never masks)."""
+        workers = self.workers[replica]
+        total = 0.0
+        batches = batches if batches is not None else self.eval_set
+        for ids in batches:
+            x = ids
+            for w in workers:
+                x = w.eval_forward(x)
+            total += float(causal_lm_loss(x, ids))
+        return total / len(batches)
+
+    # ------------------------------------------------------------------------------------------
+
+    def train(
+        self,
+        until: int | None = None,
+        metrics: Callable[[dict], None] | None = None,
+        checkpoint_dir: Path | None = None,
+    ) -> TrainResult:
+        """Train from the current step up to ``until`` (default ``train.steps``), emitting metric records."""
+        cfg = self.cfg
+        until = cfg.train.steps if until is None else min(until, cfg.train.steps)
+        emit = metrics or (lambda rec: None)
+        start_wall = time.perf_counter()
+        start_tokens = self.tokens
+        if self.step == 0 and cfg.train.eval_every:
+            emit({"step": 0, "heldout_loss": self.heldout_loss()})
+        while self.step < until:
+            rec = self.train_step()
+            rec["wall_s"] = round(time.perf_counter() - start_wall, 4)
+            rec["bytes"] = self.counter.snapshot()
+            emit(rec)
+            if self.progress:
+                self.progress(rec)
+            done = self.step
+            if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps:
+                emit({"step": done, "heldout_loss": self.heldout_loss()})
+            if checkpoint_dir and cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0:
+                self.save_checkpoint(checkpoint_dir)
+        wall = time.perf_counter() - start_wall
+        held = self.heldout_loss()
+        if checkpoint_dir:
+            self.save_checkpoint(checkpoint_dir)
+        trained = self.tokens - start_tokens
+        result = TrainResult(
+            steps=self.step, tokens=self.tokens, wall_s=wall, heldout_loss=held, losses=list(self.losses),
+            bytes=self.counter.snapshot(),
+        )
+        final = {
+            "final": True, "step": self.step, "steps": self.step, "heldout_loss": held,
+            "tokens_per_s": trained / wall if wall > 0 else 0.0, "tokens": self.tokens,
+            "bytes_per_token": result.bytes_per_token(),
+        }
+        emit(final)
+        return result
+
+    # ------------------------------------------------------------------------------------------
+    # checkpoints
+
+    def save_checkpoint(self, directory: Path) -> Path:
+        """Write weights, optimizer state, DP/anchor state and the step; atomically replaces ``directory``."""
+        directory = Path(directory)
+        tmp = directory.with_name(directory.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        optim = {}
+        for r, workers in enumerate(self.workers):
+            for w in workers:
+                weights = {k: v.detach().contiguous() for k, v in w.module.state_dict().items()}
+                save_file(weights, str(tmp / f"replica{r}-stage{w.index}.safetensors"))
+                optim[f"{r}.{w.index}"] = w.optimizer.state_dict()
+        ext_state = {type(e).__name__: e.state_dict() for e in self.extensions}
+        torch.save({"optim": optim, "extensions": ext_state}, tmp / "state.pt")
+        meta = {
+            "format": CHECKPOINT_FORMAT, "step": self.step, "tokens": self.tokens, "losses": self.losses,
+            "bytes": self.counter.snapshot(), "run_id": self.cfg.run_id, "config": self.cfg.to_dict(),
+            "replicas": self.replicas, "stages": self.num_stages,
+        }
+        (tmp / "trainer.json").write_text(json.dumps(meta))
+        self.hf_config.to_json_file(str(tmp / "hf_config.json"))
+        if self.hf_tokenizer is not None:
+            self.hf_tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        old = directory.with_name(directory.name + ".old")
+        if directory.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            directory.rename(old)
+        tmp.rename(directory)
+        shutil.rmtree(old, ignore_errors=True)
+        return directory
+
+    def load_checkpoint(self, directory: Path) -> None:
+        directory = Path(directory)
+        meta_path = directory / "trainer.json"
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"no checkpoint in {directory}")
+        meta = json.loads(meta_path.read_text())
+        if meta.get("replicas") != self.replicas or meta.get("stages") != self.num_stages:
+            raise ValueError(
+                f"checkpoint has {meta.get('replicas')} replicas x {meta.get('stages')} stages, "
+                f"this run {self.replicas} x {self.num_stages}"
+            )
+        state = torch.load(directory / "state.pt", weights_only=False)
+        for r, workers in enumerate(self.workers):
+            for w in workers:
+                w.module.load_state_dict(load_file(str(directory / f"replica{r}-stage{w.index}.safetensors")))
+                w.optimizer.load_state_dict(state["optim"][f"{r}.{w.index}"])
+        for e in self.extensions:
+            e.load_state_dict(state["extensions"][type(e).__name__])
+        self.step = int(meta["step"])
+        self.tokens = int(meta["tokens"])
+        self.losses = list(meta["losses"])
+        self.counter = ByteCounter.from_snapshot(meta["bytes"])
+        for workers in self.workers:
+            for w in workers:
+                w.counter = self.counter
+

@@ -1,0 +1,235 @@
+"""The transport-agnostic stage worker: one stage replica's modules, boundary codecs, optimizer and bytes.
+
+A worker takes an input payload and returns an output payload (forward), takes a gradient payload
+and returns one (backward), and steps its optimizer. It knows nothing about who sent a payload or
+how: ``meshnode.mesh`` wires workers with in-process calls, ``meshnode.node`` with libp2p RPCs. Same
+seeds in, same numbers out.
+
+Per microbatch the worker keeps the autograd graph between its received input (a leaf that requires
+grad) and its output, until the matching backward arrives. On stage 0 the input is token ids; on the
+last stage ``forward`` also takes the labels and returns the loss, and ``backward(mb, None)`` starts
+from that loss.
+
+Gradient clipping is per stage (each worker clips its own gradient norm to ``train.grad_clip``): a
+global norm would need one more round trip through the pipeline per step. The dense reference uses
+the same rule, so every comparison is like for like.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..compression import BoundaryContext, ByteCounter, EncodedPayload, MaskKey, make_codec, payload_bytes
+from ..config import RunConfig
+from ..model import StageModule
+from ..optim import SpectralAdamW
+
+logger = logging.getLogger(__name__)
+
+
+class StageError(RuntimeError):
+    """A request a worker cannot serve (unknown microbatch, wrong shape); the worker's state is unchanged."""
+
+
+@dataclass(frozen=True, order=True)
+class MicrobatchId:
+    """Identifies one microbatch of one optimizer step of one replica chain."""
+
+    step: int
+    index: int
+
+
+@dataclass
+class _InFlight:
+    inputs: Tensor | None  # the received leaf (B, T, H), None on stage 0
+    outputs: Tensor  # output (B, T, H) or the loss on the last stage
+    ctx_out: BoundaryContext | None  # the exchange on boundary ``index`` (None on the last stage)
+    ctx_in: BoundaryContext | None  # the exchange on boundary ``index - 1`` (None on stage 0)
+    tokens: int = 0
+
+
+@dataclass
+class StepStats:
+    loss_sum: float = 0.0
+    microbatches: int = 0
+    tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def causal_lm_loss(logits: Tensor, ids: Tensor) -> Tensor:
+    """Mean next-token cross entropy: ``logits (B, T, V)`` at t predicts ``ids (B, T)`` at t + 1."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+class StageWorker:
+    """One replica of one stage: forward, backward, step, with codecs at its boundaries."""
+
+    def __init__(self, module: StageModule, cfg: RunConfig, *, replica: int = 0, counter: ByteCounter | None = None):
+        self.module = module
+        self.cfg = cfg
+        self.replica = replica
+        self.index = module.index
+        self.num_stages = module.num_stages
+        self.counter = counter if counter is not None else ByteCounter()
+        self.codec = make_codec(cfg.mask)
+        self.dense_codec = make_codec(_dense_mask_cfg(cfg))
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        t = cfg.train
+        self.optimizer = SpectralAdamW(
+            named, cfg.spectral, max_staleness=cfg.anchor.max_staleness, lr=t.lr, betas=tuple(t.betas), eps=t.eps,
+            weight_decay=t.weight_decay, ema_init=cfg.spectral.ema_init,
+        )
+        self.in_flight: dict[MicrobatchId, _InFlight] = {}
+        self.step_stats = StepStats()
+        self.masked = True  # the anchor turns masking off on its own workers
+
+    # ------------------------------------------------------------------------------------------
+    # helpers
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def _mask_key(self, mb: MicrobatchId, boundary: int) -> MaskKey:
+        return MaskKey(
+            run_seed=self.cfg.train.seed, step=mb.step, microbatch=mb.index, boundary=boundary,
+            version=self.cfg.mask.version,
+        )
+
+    def codec_for(self, step: int):
+        """The codec of this step: dense while unmasked (anchor, or inside ``mask.warmup_steps``)."""
+        if not self.masked or step < self.cfg.mask.warmup_steps:
+            return self.dense_codec
+        return self.codec
+
+    def _axis(self, axis: str) -> str:
+        """Traffic of the anchor replica (``replica < 0``) counts on the ``anchor`` axis."""
+        return "anchor" if self.replica < 0 else axis
+
+    def _autocast(self):
+        if self.cfg.train.bf16:
+            return torch.autocast("cpu" if not _on_cuda(self.module) else "cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------------------------------
+    # the pipeline surface
+
+    def forward(self, mb: MicrobatchId, inputs: Tensor | EncodedPayload, labels: Tensor | None = None):
+        """Run this stage on one microbatch.
+
+        ``inputs``: token ids ``(B, T)`` on stage 0, else the payload from the previous stage.
+        Returns the payload for the next stage, or the loss (a float) on the last stage, which needs
+        the token ids as ``labels``.
+        """
+        if mb in self.in_flight:
+            raise StageError(f"stage {self.index}: microbatch {mb} is already in flight")
+        codec = self.codec_for(mb.step)
+        ctx_in = None
+        if self.is_first:
+            if not isinstance(inputs, Tensor) or inputs.dim() != 2:
+                raise StageError("stage 0 expects token ids (B, T)")
+            x = inputs
+            tokens = x.numel()
+        else:
+            if not isinstance(inputs, EncodedPayload):
+                raise StageError(f"stage {self.index} expects an encoded payload")
+            ctx_in = BoundaryContext(key=self._mask_key(mb, self.index - 1))
+            x = codec.decode(inputs, ctx_in).to(self._dtype()).requires_grad_(True)  # (B, T, H)
+            tokens = x.shape[0] * x.shape[1]
+        with self._autocast():
+            out = self.module(x)
+        if self.is_last:
+            if labels is None:
+                raise StageError("the last stage needs labels")
+            with self._autocast():
+                loss = causal_lm_loss(out, labels) / self.cfg.train.microbatches
+            self.in_flight[mb] = _InFlight(x if not self.is_first else None, loss, None, ctx_in, tokens)
+            self.step_stats.loss_sum += loss.item() * self.cfg.train.microbatches
+            self.step_stats.microbatches += 1
+            self.step_stats.tokens += tokens
+            return loss.item() * self.cfg.train.microbatches
+        ctx_out = BoundaryContext(key=self._mask_key(mb, self.index))
+        payload = codec.encode(out.detach(), ctx_out)
+        self.counter.add(self._axis("pp_fwd"), payload_bytes(payload))
+        self.in_flight[mb] = _InFlight(x if not self.is_first else None, out, ctx_out, ctx_in, tokens)
+        return payload
+
+    def backward(self, mb: MicrobatchId, grad: EncodedPayload | None = None) -> EncodedPayload | None:
+        """Backpropagate one microbatch; returns the gradient payload for the previous stage (None on stage 0)."""
+        state = self.in_flight.get(mb)
+        if state is None:
+            raise StageError(f"stage {self.index}: no forward for microbatch {mb}")
+        codec = self.codec_for(mb.step)
+        if self.is_last:
+            state.outputs.backward()
+        else:
+            if grad is None:
+                raise StageError(f"stage {self.index}: backward needs a gradient payload")
+            g = codec.decode_grad(grad, state.ctx_out).to(state.outputs.dtype)  # (B, T, H)
+            if g.shape != state.outputs.shape:
+                raise StageError(
+                    f"stage {self.index}: gradient shape {tuple(g.shape)} != {tuple(state.outputs.shape)}"
+                )
+            state.outputs.backward(g)
+        del self.in_flight[mb]
+        if self.is_first:
+            return None
+        payload = codec.encode_grad(state.inputs.grad, state.ctx_in)
+        self.counter.add(self._axis("pp_bwd"), payload_bytes(payload))
+        return payload
+
+    def discard(self, mb: MicrobatchId) -> None:
+        """Forget an in-flight microbatch (its peer died); its graph is freed, no gradient is kept."""
+        self.in_flight.pop(mb, None)
+
+    def step(self, step: int, lr: float) -> dict:
+        """Clip this stage's gradient, apply the optimizer, zero the gradients. Returns step stats."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        grad_norm = float("nan")
+        if params and self.cfg.train.grad_clip > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step(step)
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = {
+            "loss": self.step_stats.loss_sum / max(1, self.step_stats.microbatches),
+            "tokens": self.step_stats.tokens,
+            "grad_norm": grad_norm,
+        }
+        self.step_stats = StepStats()
+        return stats
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------------------------------
+    # evaluation (unmasked, no graph)
+
+    @torch.no_grad()
+    def eval_forward(self, x: Tensor) -> Tensor:
+        with self._autocast():
+            return self.module(x if self.is_first else x.to(self._dtype()))
+
+    def _dtype(self) -> torch.dtype:
+        return next(self.module.parameters()).dtype
+
+
+def _on_cuda(module: torch.nn.Module) -> bool:
+    return next(module.parameters()).is_cuda
+
+
+def _dense_mask_cfg(cfg: RunConfig):
+    import dataclasses
+
+    return dataclasses.replace(cfg.mask, ratio=0.0, codec="dense")

@@ -1,0 +1,65 @@
+"""The command line: help, clear one-line errors with non-zero exit, and one real subprocess run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from meshnode.cli import app
+
+from .conftest import TINY
+
+runner = CliRunner()
+
+
+def test_help_and_version():
+    r = runner.invoke(app, ["--help"])
+    assert r.exit_code == 0 and "train" in r.output
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0 and "meshnode" in r.output
+    assert runner.invoke(app, ["train", "--help"]).exit_code == 0
+
+
+def _fails_cleanly(args, needle, cache_dir):
+    r = runner.invoke(app, [*args, "--cache-dir", str(cache_dir)] if args[0] == "train" else args)
+    assert r.exit_code == 1, r.output
+    assert needle in r.output
+    assert "Traceback" not in r.output
+    return r
+
+
+def test_bad_config_is_one_clear_line(tmp_path, cache_dir):
+    args = ["train", "--config", str(TINY), "--set", "train.lr=fast"]
+    _fails_cleanly(args, "train.lr: expected a number", cache_dir)
+    _fails_cleanly(["train", "--config", str(tmp_path / "none.toml")], "config file not found", cache_dir)
+
+
+def test_missing_corpus_and_unknown_model(tmp_path, cache_dir):
+    _fails_cleanly(
+        ["train", "--config", str(TINY), "--set", f"data.source=\"dir:{tmp_path / 'nope'}\""], "directory not found",
+        cache_dir,
+    )
+    _fails_cleanly(["train", "--config", str(TINY), "--set", "model.source=\"gpt9\""], "unknown source", cache_dir)
+
+
+def test_train_subprocess_writes_metrics(tmp_path, cache_dir):
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshnode.cli", "train", "--config", str(TINY), "--steps", "6", "--set",
+         "train.eval_every=3", "--metrics-out", str(metrics), "--cache-dir", str(cache_dir),
+         "--checkpoint-dir", str(tmp_path / "ck")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    recs = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in recs if "loss" in r] == list(range(6))
+    assert [r["step"] for r in recs if "heldout_loss" in r and not r.get("final")] == [0, 3]
+    assert recs[-1]["final"] is True and recs[-1]["steps"] == 6
+    assert "held-out loss" in proc.stderr
+    r = runner.invoke(app, ["export", "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "hf")])
+    assert r.exit_code == 0 and (tmp_path / "hf" / "config.json").is_file()
+    r = runner.invoke(app, ["export", "--checkpoint", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")])
+    assert r.exit_code == 1 and "not a meshnode checkpoint" in r.output

@@ -1,0 +1,53 @@
+"""The run config: strict keys and types, overrides, the shipped configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from meshnode.config import ConfigError, config_from_dict, load_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.name and cfg.run_id.startswith(cfg.name)
+
+
+def test_overrides_and_run_id():
+    a = config_from_dict({}, ["train.lr=3e-4", "mask.rescale=rms", "model.boundaries=[4, 9]", "model.stages=3"])
+    assert a.train.lr == 3e-4 and a.mask.rescale == "rms" and a.model.boundaries == [4, 9]
+    assert config_from_dict({}).run_id != a.run_id
+
+
+@pytest.mark.parametrize(
+    "data,overrides,message",
+    [
+        ({"train": {"lr": "fast"}}, [], "train.lr: expected a number"),
+        ({"trian": {}}, [], "trian: unknown key"),
+        ({"train": {"lrr": 1.0}}, [], "train.lrr: unknown key"),
+        ({}, ["mask.ratio=1.2"], "mask.ratio: 1.2 is outside"),
+        ({}, ["mask.rescale=loud"], "mask.rescale: 'loud' is not one of"),
+        ({}, ["train.batch_size=0"], "train.batch_size: must be > 0"),
+        ({}, ["model.boundaries=[3]"], "model.boundaries: 1 boundaries given for 3 stages"),
+        ({}, ["model.stages=3", "model.boundaries=[5, 2]"], "strictly increasing"),
+        ({}, ["train.lr"], "expected key=value"),
+        ({"model": 3}, [], "model: expected a table"),
+        ({}, ["anchor.enabled=1"], "anchor.enabled: expected true or false"),
+    ],
+)
+def test_bad_config_names_key(data, overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(".", r"\.")):
+        config_from_dict(data, overrides)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nlr = 1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
