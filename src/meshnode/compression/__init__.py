@@ -1,1 +1,37 @@
-"""meshnode.compression"""
+"""Pure tensor code for what crosses the wire: mask PRF, boundary codecs, PowerSGD, quantisation, bytes.
+
+No networking here (DESIGN.md section 2): ``stage/`` uses the codecs at its boundaries, ``node/`` and
+``mesh/`` move the payloads, and everyone counts bytes with :class:`ByteCounter`.
+"""
+
+from .accounting import AXES, HEADER_BYTES, ByteCounter, payload_bytes, tensor_bytes
+from .codec import (
+    RESCALE_MODES,
+    WIRE_DTYPES,
+    BoundaryCodec,
+    BoundaryContext,
+    DenseCodec,
+    EncodedPayload,
+    MaskCodec,
+    PayloadError,
+    QuantCodec,
+    TopKCodec,
+    gather_kept,
+    make_codec,
+    masked_boundary,
+    rms_scale,
+    scatter_kept,
+    simulate_transfer,
+)
+from .mask import MaskKey, channel_hash, keep_indices, keep_mask, num_kept
+from .powersgd import PowerSGDState, compressed_rank, orthonormalize, powersgd_allreduce
+from .quant import dequantize_absmax, fake_quantize, pack_int4, quantize_absmax, quantized_nbytes, unpack_int4
+
+__all__ = [
+    "AXES", "HEADER_BYTES", "RESCALE_MODES", "WIRE_DTYPES", "BoundaryCodec", "BoundaryContext", "ByteCounter",
+    "DenseCodec", "EncodedPayload", "MaskCodec", "MaskKey", "PayloadError", "PowerSGDState", "QuantCodec",
+    "TopKCodec", "channel_hash", "compressed_rank", "dequantize_absmax", "fake_quantize", "gather_kept",
+    "keep_indices", "keep_mask", "make_codec", "masked_boundary", "num_kept", "orthonormalize", "pack_int4",
+    "payload_bytes", "powersgd_allreduce", "quantize_absmax", "quantized_nbytes", "rms_scale", "scatter_kept",
+    "simulate_transfer", "tensor_bytes", "unpack_int4",
+]

@@ -1,0 +1,585 @@
+"""Boundary codecs: how the activation (and its gradient) crossing a stage boundary goes on the wire.
+
+Only the tensor that crosses a stage boundary is compressed (DESIGN.md section 1). One exchange is
+one microbatch crossing one boundary; it has four steps, one codec method each::
+
+    sender                                   receiver
+    payload = codec.encode(x, ctx_s)   --->  h = codec.decode(payload, ctx_r)      (pp_fwd)
+    dx = codec.decode_grad(gp, ctx_s)  <---  gp = codec.encode_grad(h.grad, ctx_r) (pp_bwd)
+    x.backward(dx)
+
+``ctx_s`` and ``ctx_r`` are two :class:`BoundaryContext` objects, one per side, for the lifetime of the
+exchange. They carry the :class:`~.mask.MaskKey` (the mask codec needs it) and record what the backward
+needs: the kept indices and the per-token scale. Nothing is shared between the two sides but the
+payloads.
+
+Codecs:
+
+* :class:`DenseCodec`: the tensor cast to the wire dtype (the dense baseline).
+* :class:`MaskCodec`: the paper's PRF mask. The payload is the K kept values per token, (B, T, K), and
+  no indices: the receiver re-derives them from the key. The gradient goes back at exactly the same
+  K positions, so the composite ``decode(encode(x))`` acts as the multiply-by-mask inside autograd.
+  Rescale modes: ``none`` (the paper's default), ``inv_keep`` (times 1/(1-p)) and ``rms`` (each token
+  scaled so its RMS over H equals that of the dense x; the factor, one float32 per token, travels in
+  the payload because only the sender can compute it). The rescale is treated as a constant in the
+  backward (no gradient through the RMS statistics): the gradient reaching the sender is
+  ``scale * grad`` at the kept positions and exactly zero elsewhere, so it needs no extra bytes.
+  The receiver applies the scale both ways: to the values in ``decode`` and to the gradient in
+  ``encode_grad``.
+* :class:`TopKCodec`: per-token top-k by magnitude (values plus int16/int32 indices); the gradient
+  goes back at the same indices, which both sides remember, so it carries no indices.
+* :class:`QuantCodec`: per-token absmax int8 or int4 (packed) quantisation, both directions.
+
+:func:`simulate_transfer` runs an exchange in one process as a differentiable op (the in-process
+mesh, and the tests). :func:`make_codec` builds a codec from :class:`meshnode.config.MaskConfig`.
+
+Decoding validates the payload (codec, names, shapes, dtypes, finite values, index range) and raises
+:class:`PayloadError`, so bad input from a peer is a clear error, never a crash or a corrupt tensor.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..config import MaskConfig
+from .accounting import ByteCounter, payload_bytes, tensor_bytes
+from .mask import MaskKey, keep_indices, num_kept
+from .quant import dequantize_absmax, quantize_absmax, quantized_nbytes
+
+WIRE_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+_DENSE_DTYPES: dict[str, torch.dtype] = {**WIRE_DTYPES, "float64": torch.float64}
+RESCALE_MODES = ("none", "inv_keep", "rms")
+ACTIVATION, GRAD = "activation", "grad"
+
+
+class PayloadError(ValueError):
+    """A payload does not match what this codec and exchange expect (shape, dtype, key, values)."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    for name, dt in _DENSE_DTYPES.items():
+        if dt == dtype:
+            return name
+    raise TypeError(f"unsupported dense dtype {dtype}")
+
+
+def _dense_shape(x: Tensor) -> tuple[int, int, int]:
+    if x.dim() != 3:
+        raise ValueError(f"boundary tensors are (B, T, H), got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"boundary tensors are floating point, got {x.dtype}")
+    b, t, h = x.shape
+    return int(b), int(t), int(h)
+
+
+# ---------------------------------------------------------------------------------------------
+# payload and per-exchange context
+
+
+@dataclass
+class EncodedPayload:
+    """One message's content: named tensors plus the metadata the receiver needs to rebuild (B, T, H).
+
+    ``meta`` holds small JSON-able values (ints, floats, strings, lists) that travel in the message
+    header, e.g. the mask key. :meth:`nbytes` counts tensor bytes only; :func:`~.accounting.payload_bytes`
+    adds the header estimate.
+    """
+
+    codec: str
+    kind: str  # "activation" | "grad"
+    shape: tuple[int, int, int]  # (B, T, H) of the dense tensor
+    dtype: str  # dense dtype name, what decode returns
+    tensors: dict[str, Tensor]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        return sum(tensor_bytes(t) for t in self.tensors.values())
+
+    def header(self) -> dict[str, Any]:
+        """The msgpack-able metadata of this payload (everything but the tensor bytes)."""
+        return {
+            "codec": self.codec,
+            "kind": self.kind,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "meta": dict(self.meta),
+            "tensors": {k: [str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in self.tensors.items()},
+        }
+
+
+@dataclass(kw_only=True)
+class BoundaryContext:
+    """One side's state for one exchange (one microbatch crossing one boundary).
+
+    ``key`` and ``row_offset`` are inputs (the mask codec needs the key); ``indices`` and ``scale`` are
+    recorded by ``encode``/``decode`` for the backward of the same exchange.
+    """
+
+    key: MaskKey | None = None
+    row_offset: int = 0
+    indices: Tensor | None = None  # (B, T, K) int64
+    scale: Tensor | None = None  # (B, T) float32
+
+
+# ---------------------------------------------------------------------------------------------
+# differentiable building blocks
+
+
+def gather_kept(x: Tensor, idx: Tensor) -> Tensor:  # x: (B, T, H), idx: (B, T, K) -> (B, T, K)
+    """The kept values; differentiable, its backward scatters the gradient into zeros at ``idx``."""
+    return x.gather(-1, idx)
+
+
+def scatter_kept(values: Tensor, idx: Tensor, hidden: int) -> Tensor:  # (B, T, K) -> (B, T, H)
+    """Scatter kept values into zeros; differentiable, its backward gathers the gradient at ``idx``."""
+    zeros = torch.zeros(*values.shape[:-1], hidden, dtype=values.dtype, device=values.device)
+    return zeros.scatter(-1, idx, values)
+
+
+def masked_boundary(x: Tensor, idx: Tensor, scale: Tensor | float | None = None) -> Tensor:  # (B, T, H)
+    """In-process reference of a masked boundary: ``scale * scatter(gather(x, idx))``.
+
+    ``scale`` (a float, or (B, T) per token) is a constant for autograd, so the gradient at ``x`` is
+    ``scale * grad`` at the kept positions and zero elsewhere. No wire dtype rounding.
+    """
+    y = scatter_kept(gather_kept(x, idx), idx, x.shape[-1])
+    if scale is None:
+        return y
+    if isinstance(scale, Tensor):
+        return y * scale.detach().to(y.dtype)[..., None]
+    return y * scale
+
+
+def rms_scale(x: Tensor, kept: Tensor) -> Tensor:  # x: (B, T, H), kept: (B, T, K) -> (B, T) float32
+    """Per-token factor that restores the dense RMS: ``sqrt(sum x^2 / sum kept^2)`` (1 where kept is 0)."""
+    dense = x.detach().to(torch.float32).square().sum(-1)
+    part = kept.detach().to(torch.float32).square().sum(-1)
+    ok = part > 0
+    return torch.where(ok, torch.sqrt(dense / torch.where(ok, part, torch.ones_like(part))), torch.ones_like(part))
+
+
+# ---------------------------------------------------------------------------------------------
+# codecs
+
+
+class BoundaryCodec(ABC):
+    """The interface a stage worker uses for every boundary, whatever the compression."""
+
+    name: str = "?"
+
+    def __init__(self, wire_dtype: str = "bfloat16") -> None:
+        if wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire dtype must be one of {', '.join(WIRE_DTYPES)}, got {wire_dtype!r}")
+        self.wire_dtype_name = wire_dtype
+        self.wire_dtype = WIRE_DTYPES[wire_dtype]
+
+    @abstractmethod
+    def encode(self, x: Tensor, ctx: BoundaryContext | None = None) -> EncodedPayload:
+        """Sender, forward: the payload for activation ``x`` (B, T, H)."""
+
+    @abstractmethod
+    def decode(self, payload: EncodedPayload, ctx: BoundaryContext | None = None) -> Tensor:
+        """Receiver, forward: the dense (B, T, H) input of the next stage (no autograd history)."""
+
+    @abstractmethod
+    def encode_grad(self, grad: Tensor, ctx: BoundaryContext | None = None) -> EncodedPayload:
+        """Receiver, backward: the payload for the gradient (B, T, H) at the decoded input."""
+
+    @abstractmethod
+    def decode_grad(self, payload: EncodedPayload, ctx: BoundaryContext | None = None) -> Tensor:
+        """Sender, backward: the dense (B, T, H) gradient to backpropagate from ``x``."""
+
+    @abstractmethod
+    def forward_nbytes(self, batch: int, seq: int, hidden: int) -> int:
+        """Tensor bytes of an activation payload (no header), without building one (cost models)."""
+
+    @abstractmethod
+    def backward_nbytes(self, batch: int, seq: int, hidden: int) -> int:
+        """Tensor bytes of a gradient payload (no header)."""
+
+    def describe(self) -> str:
+        return f"{self.name}({self.wire_dtype_name})"
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.describe()}>"
+
+    # -- helpers shared by the implementations
+
+    def _payload(
+        self, kind: str, x: Tensor, tensors: dict[str, Tensor], meta: dict[str, Any] | None = None
+    ) -> EncodedPayload:
+        return EncodedPayload(
+            codec=self.name,
+            kind=kind,
+            shape=_dense_shape(x),
+            dtype=_dtype_name(x.dtype),
+            tensors={k: v.detach().contiguous() for k, v in tensors.items()},
+            meta=meta or {},
+        )
+
+    def _header(self, payload: EncodedPayload, kind: str) -> tuple[int, int, int]:
+        """Validate codec, kind, dense dtype and shape; return (B, T, H)."""
+        if payload.codec != self.name:
+            raise PayloadError(f"payload codec {payload.codec!r} but this boundary uses {self.name!r}")
+        if payload.kind != kind:
+            raise PayloadError(f"expected a {kind} payload, got {payload.kind!r}")
+        if payload.dtype not in _DENSE_DTYPES:
+            raise PayloadError(f"unsupported dense dtype {payload.dtype!r}")
+        shape = tuple(payload.shape)
+        if len(shape) != 3 or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in shape):
+            raise PayloadError(f"dense shape must be (B, T, H) with positive sizes, got {payload.shape!r}")
+        return shape  # type: ignore[return-value]
+
+    @staticmethod
+    def _tensors(payload: EncodedPayload, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Validate tensor names, shapes, dtypes and finiteness."""
+        if set(payload.tensors) != set(specs):
+            raise PayloadError(f"payload tensors {sorted(payload.tensors)}, expected {sorted(specs)}")
+        for name, (want_shape, want_dtype) in specs.items():
+            t = payload.tensors[name]
+            if tuple(t.shape) != want_shape or t.dtype != want_dtype:
+                raise PayloadError(
+                    f"payload tensor {name!r}: got {t.dtype} {tuple(t.shape)}, expected {want_dtype} {want_shape}"
+                )
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise PayloadError(f"payload tensor {name!r} has non-finite values")
+
+
+class DenseCodec(BoundaryCodec):
+    """No compression: the tensor in the wire dtype, both directions."""
+
+    name = "dense"
+
+    def encode(self, x: Tensor, ctx: BoundaryContext | None = None) -> EncodedPayload:
+        return self._payload(ACTIVATION, x, {"values": x.to(self.wire_dtype)})
+
+    def decode(self, payload: EncodedPayload, ctx: BoundaryContext | None = None) -> Tensor:
+        return self._decode(payload, ACTIVATION)
+
+    def encode_grad(self, grad: Tensor, ctx: BoundaryContext | None = None) -> EncodedPayload:
+        return self._payload(GRAD, grad, {"values": grad.to(self.wire_dtype)})
+
+    def decode_grad(self, payload: EncodedPayload, ctx: BoundaryContext | None = None) -> Tensor:
+        return self._decode(payload, GRAD)
+
+    def _decode(self, payload: EncodedPayload, kind: str) -> Tensor:
+        self._tensors(payload, {"values": (self._header(payload, kind), self.wire_dtype)})
+        return payload.tensors["values"].to(dtype=_DENSE_DTYPES[payload.dtype], copy=True)
+
+    def forward_nbytes(self, batch: int, seq: int, hidden: int) -> int:
+        return batch * seq * hidden * self.wire_dtype.itemsize
+
+    backward_nbytes = forward_nbytes
+
+
+class MaskCodec(BoundaryCodec):
+    """The PRF mask: K = round((1-p) H) values per token, indices re-derived from the key on both sides."""
+
+    name = "mask"
+
+    def __init__(self, ratio: float, rescale: str = "none", wire_dtype: str = "bfloat16") -> None:
+        super().__init__(wire_dtype)
+        num_kept(1, ratio)  # validates the range
+        if rescale not in RESCALE_MODES:
+            raise ValueError(f"rescale must be one of {', '.join(RESCALE_MODES)}, got {rescale!r}")
+        self.ratio = float(ratio)
+        self.rescale = rescale
+
+    def describe(self) -> str:
+        return f"mask(p={self.ratio}, rescale={self.rescale}, {self.wire_dtype_name})"
+
+    def keep_factor(self) -> float:
+        """The ``inv_keep`` factor 1/(1-p)."""
+        return 1.0 / (1.0 - self.ratio)
+
+    def _indices(self, ctx: BoundaryContext, batch: int, seq: int, hidden: int, device: torch.device) -> Tensor:
+        k = num_kept(hidden, self.ratio)
+        if ctx.indices is not None and tuple(ctx.indices.shape) == (batch, seq, k):
+            return ctx.indices.to(device)
+        if ctx.key is None:
+            raise ValueError("the mask codec needs ctx.key (the MaskKey of this exchange)")
+        ctx.indices = keep_indices(ctx.key, batch, seq, hidden, self.ratio, device, row_offset=ctx.row_offset)
+        return ctx.indices
+
+    def _meta(self, ctx: BoundaryContext) -> dict[str, Any]:
+        assert ctx.key is not None
+        return {
+            "key": list(ctx.key.as_tuple()),
+            "row_offset": ctx.row_offset,
+            "ratio": self.ratio,
+            "rescale": self.rescale,
+        }
+
+    def _adopt_key(self, payload: EncodedPayload, ctx: BoundaryContext | None) -> BoundaryContext:
+        """The receiver's context: its own key if it has one (checked against the payload's), else the payload's."""
+        meta = payload.meta
+        if meta.get("ratio", self.ratio) != self.ratio or meta.get("rescale", self.rescale) != self.rescale:
+            raise PayloadError(
+                f"payload masked with ratio={meta.get('ratio')} rescale={meta.get('rescale')}, "
+                f"this boundary uses ratio={self.ratio} rescale={self.rescale}"
+            )
+        sent = meta.get("key")
+        try:
+            sent_key = MaskKey(*(int(v) for v in sent)) if sent is not None else None
+        except (TypeError, ValueError):
+            raise PayloadError(f"malformed mask key in payload: {sent!r}") from None
+        if ctx is None:
+            ctx = BoundaryContext(row_offset=int(meta.get("row_offset", 0)))
+        if ctx.key is None:
+            if sent_key is None:
+                raise PayloadError("mask payload without a key, and no key in the context")
+            ctx.key = sent_key
+        elif sent_key is not None and sent_key != ctx.key:
+            raise PayloadError(f"payload mask key {sent_key} does not match this exchange's key {ctx.key}")
+        if "row_offset" in meta and int(meta["row_offset"]) != ctx.row_offset:
+            raise PayloadError(f"payload row offset {meta['row_offset']} != {ctx.row_offset}")
+        return ctx
+
+    def _specs(self, payload: EncodedPayload, kind: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        b, t, h = self._header(payload, kind)
+        specs = {"values": ((b, t, num_kept(h, self.ratio)), self.wire_dtype)}
+        if self.rescale == "rms" and kind == ACTIVATION:
+            specs["scale"] = ((b, t), torch.float32)
+        return specs
+
+    def encode(self, x: Tensor, ctx: BoundaryContext | None = None) -> EncodedPayload:
+        if ctx is None:
+            raise ValueError("the mask codec needs a BoundaryContext with the exchange's MaskKey")
+        b, t, h = _dense_shape(x)
+        idx = self._indices(ctx, b, t, h, x.device)
+        values = gather_kept(x.detach(), idx).to(self.wire_dtype)
+        tensors = {"values": values}
+        if self.rescale == "rms":
+            tensors["scale"] = rms_scale(x, values)  # measured on the wire-rounded values
+        return self._payload(ACTIVATION, x, tensors, self._meta(ctx))
+
+    def decode(self, payload: EncodedPayload, ctx: BoundaryContext | None = None) -> Tensor:
+        self._header(payload, ACTIVATION)
+        ctx = self._adopt_key(payload, ctx)
+        self._tensors(payload, self._specs(payload, ACTIVATION))
+        b, t, h = payload.shape
+        dtype = _DENSE_DTYPES[payload.dtype]
+        values = payload.tensors["values"]
+        idx = self._indices(ctx, b, t, h, values.device)
+        y = scatter_kept(values.to(dtype), idx, h)
+        if self.rescale == "inv_keep":
+            y = y * self.keep_factor()
+        elif self.rescale == "rms":
+            ctx.scale = payload.tensors["scale"]
+            y = y * ctx.scale.to(dtype)[..., None]
+        return y
+
+    def encode_grad(self, grad: Tensor, ctx: BoundaryContext | None = None) -> EncodedPayload:
+        if ctx is None:
+            raise ValueError("encode_grad needs the receiver's BoundaryContext of this exchange")
+        b, t, h = _dense_shape(grad)
+        idx = self._indices(ctx, b, t, h, grad.device)
+        g = gather_kept(grad.detach(), idx)
+        if self.rescale == "inv_keep":
+            g = g * self.keep_factor()
+        elif self.rescale == "rms":
+            if ctx.scale is None:
+                raise ValueError("rms rescale: encode_grad needs the scale recorded by decode in this context")
+            g = g * ctx.scale.to(device=g.device, dtype=g.dtype)[..., None]
+        return self._payload(GRAD, grad, {"values": g.to(self.wire_dtype)}, self._meta(ctx))
+
+    def decode_grad(self, payload: EncodedPayload, ctx: BoundaryContext | None = None) -> Tensor:
+        self._header(payload, GRAD)
+        ctx = self._adopt_key(payload, ctx)
+        self._tensors(payload, self._specs(payload, GRAD))
+        b, t, h = payload.shape
+        values = payload.tensors["values"]
+        idx = self._indices(ctx, b, t, h, values.device)
+        return scatter_kept(values.to(_DENSE_DTYPES[payload.dtype]), idx, h)
+
+    def forward_nbytes(self, batch: int, seq: int, hidden: int) -> int:
+        n = batch * seq * num_kept(hidden, self.ratio) * self.wire_dtype.itemsize
+        return n + (batch * seq * 4 if self.rescale == "rms" else 0)
+
+    def backward_nbytes(self, batch: int, seq: int, hidden: int) -> int:
+        return batch * seq * num_kept(hidden, self.ratio) * self.wire_dtype.itemsize
+
+
+class TopKCodec(BoundaryCodec):
+    """Per-token top-k by magnitude: values plus indices forward; the gradient at the same indices back."""
+
+    name = "topk"
+
+    def __init__(self, ratio: float, wire_dtype: str = "bfloat16") -> None:
+        super().__init__(wire_dtype)
+        if not 0.0 < ratio <= 1.0:
+            raise ValueError(f"top-k ratio (fraction kept) must be in (0, 1], got {ratio}")
+        self.ratio = float(ratio)
+
+    def describe(self) -> str:
+        return f"topk(keep={self.ratio}, {self.wire_dtype_name})"
+
+    def k(self, hidden: int) -> int:
+        return max(1, min(hidden, round(self.ratio * hidden)))
+
+    @staticmethod
+    def index_dtype(hidden: int) -> torch.dtype:
+        return torch.int16 if hidden <= 1 << 15 else torch.int32
+
+    def encode(self, x: Tensor, ctx: BoundaryContext | None = None) -> EncodedPayload:
+        b, t, h = _dense_shape(x)
+        xd = x.detach()
+        idx = torch.topk(xd.abs(), self.k(h), dim=-1, sorted=False).indices.sort(dim=-1).values
+        if ctx is not None:
+            ctx.indices = idx
+        tensors = {"values": gather_kept(xd, idx).to(self.wire_dtype), "indices": idx.to(self.index_dtype(h))}
+        return self._payload(ACTIVATION, x, tensors)
+
+    def decode(self, payload: EncodedPayload, ctx: BoundaryContext | None = None) -> Tensor:
+        b, t, h = self._header(payload, ACTIVATION)
+        k = self.k(h)
+        self._tensors(payload, {"values": ((b, t, k), self.wire_dtype), "indices": ((b, t, k), self.index_dtype(h))})
+        idx = payload.tensors["indices"].long()
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= h or bool((idx.diff(dim=-1) <= 0).any())):
+            raise PayloadError("top-k indices out of range, unsorted or repeated")
+        if ctx is not None:
+            ctx.indices = idx
+        return scatter_kept(payload.tensors["values"].to(_DENSE_DTYPES[payload.dtype]), idx, h)
+
+    def encode_grad(self, grad: Tensor, ctx: BoundaryContext | None = None) -> EncodedPayload:
+        if ctx is None or ctx.indices is None:
+            raise ValueError("top-k encode_grad needs the indices recorded by decode in this context")
+        g = gather_kept(grad.detach(), ctx.indices.to(grad.device)).to(self.wire_dtype)
+        return self._payload(GRAD, grad, {"values": g})
+
+    def decode_grad(self, payload: EncodedPayload, ctx: BoundaryContext | None = None) -> Tensor:
+        if ctx is None or ctx.indices is None:
+            raise ValueError("top-k decode_grad needs the indices recorded by encode in this context")
+        b, t, h = self._header(payload, GRAD)
+        if (b, t) != tuple(ctx.indices.shape[:2]):
+            raise PayloadError(f"gradient shape {payload.shape} does not match the forward's")
+        self._tensors(payload, {"values": (tuple(ctx.indices.shape), self.wire_dtype)})
+        return scatter_kept(payload.tensors["values"].to(_DENSE_DTYPES[payload.dtype]), ctx.indices, h)
+
+    def forward_nbytes(self, batch: int, seq: int, hidden: int) -> int:
+        k = self.k(hidden)
+        return batch * seq * k * (self.wire_dtype.itemsize + self.index_dtype(hidden).itemsize)
+
+    def backward_nbytes(self, batch: int, seq: int, hidden: int) -> int:
+        return batch * seq * self.k(hidden) * self.wire_dtype.itemsize
+
+
+class QuantCodec(BoundaryCodec):
+    """Per-token absmax quantisation (int8, or int4 packed two per byte), both directions."""
+
+    def __init__(self, bits: int = 8) -> None:
+        super().__init__("float32")  # the wire carries codes + float32 scales; no float values
+        if bits not in (8, 4):
+            raise ValueError(f"quantisation bits must be 8 or 4, got {bits}")
+        self.bits = bits
+        self.name = f"int{bits}"
+
+    def describe(self) -> str:
+        return self.name
+
+    def _encode(self, kind: str, x: Tensor) -> EncodedPayload:
+        _dense_shape(x)
+        codes, scale = quantize_absmax(x, self.bits)
+        return self._payload(kind, x, {"codes": codes, "scale": scale})
+
+    def _decode(self, payload: EncodedPayload, kind: str) -> Tensor:
+        b, t, h = self._header(payload, kind)
+        codes = ((b, t, h), torch.int8) if self.bits == 8 else ((b, t, (h + 1) // 2), torch.uint8)
+        self._tensors(payload, {"codes": codes, "scale": ((b, t), torch.float32)})
+        p = payload.tensors
+        return dequantize_absmax(p["codes"], p["scale"], self.bits, h, _DENSE_DTYPES[payload.dtype])
+
+    def encode(self, x: Tensor, ctx: BoundaryContext | None = None) -> EncodedPayload:
+        return self._encode(ACTIVATION, x)
+
+    def decode(self, payload: EncodedPayload, ctx: BoundaryContext | None = None) -> Tensor:
+        return self._decode(payload, ACTIVATION)
+
+    def encode_grad(self, grad: Tensor, ctx: BoundaryContext | None = None) -> EncodedPayload:
+        return self._encode(GRAD, grad)
+
+    def decode_grad(self, payload: EncodedPayload, ctx: BoundaryContext | None = None) -> Tensor:
+        return self._decode(payload, GRAD)
+
+    def forward_nbytes(self, batch: int, seq: int, hidden: int) -> int:
+        return quantized_nbytes(batch * seq, hidden, self.bits)
+
+    backward_nbytes = forward_nbytes
+
+
+# ---------------------------------------------------------------------------------------------
+# factory and in-process exchange
+
+
+def make_codec(mask_cfg: MaskConfig, *, step: int | None = None) -> BoundaryCodec:
+    """The boundary codec of a run config's ``[mask]`` section.
+
+    ``codec = "mask"`` with ``ratio = 0`` is dense. With ``step`` given, steps before
+    ``mask_cfg.warmup_steps`` get the dense codec (masking starts after the warmup).
+    """
+    if step is not None and step < mask_cfg.warmup_steps:
+        return DenseCodec(mask_cfg.wire_dtype)
+    kind = mask_cfg.codec
+    if kind == "dense" or (kind == "mask" and mask_cfg.ratio == 0.0):
+        return DenseCodec(mask_cfg.wire_dtype)
+    if kind == "mask":
+        return MaskCodec(mask_cfg.ratio, mask_cfg.rescale, mask_cfg.wire_dtype)
+    if kind == "topk":
+        return TopKCodec(mask_cfg.topk_ratio, mask_cfg.wire_dtype)
+    if kind in ("int8", "int4"):
+        return QuantCodec(int(kind[3:]))
+    raise ValueError(f"unknown boundary codec {kind!r} (mask | topk | int8 | int4 | dense)")
+
+
+class _Exchange(torch.autograd.Function):
+    """encode -> decode forward, encode_grad -> decode_grad backward, as one autograd op."""
+
+    @staticmethod
+    def forward(fctx, x, codec, send_ctx, recv_ctx, counter):  # type: ignore[override]
+        payload = codec.encode(x.detach(), send_ctx)
+        if counter is not None:
+            counter.add("pp_fwd", payload_bytes(payload))
+        fctx.parts = (codec, send_ctx, recv_ctx, counter)
+        return codec.decode(payload, recv_ctx)
+
+    @staticmethod
+    def backward(fctx, grad):  # type: ignore[override]
+        codec, send_ctx, recv_ctx, counter = fctx.parts
+        gp = codec.encode_grad(grad.contiguous(), recv_ctx)
+        if counter is not None:
+            counter.add("pp_bwd", payload_bytes(gp))
+        return codec.decode_grad(gp, send_ctx), None, None, None, None
+
+
+def simulate_transfer(
+    codec: BoundaryCodec,
+    x: Tensor,  # (B, T, H)
+    key: MaskKey | None = None,
+    *,
+    row_offset: int = 0,
+    counter: ByteCounter | None = None,
+) -> Tensor:  # (B, T, H)
+    """One exchange in one process, differentiable: the forward and backward go through the wire codec.
+
+    Uses two separate contexts, as two peers would, and counts the payload bytes (with header) on
+    ``pp_fwd`` and ``pp_bwd`` if a counter is given.
+    """
+    send_ctx = BoundaryContext(key=key, row_offset=row_offset)
+    recv_ctx = BoundaryContext(key=key, row_offset=row_offset)
+    return _Exchange.apply(x, codec, send_ctx, recv_ctx, counter)
+
+
+__all__ = [
+    "RESCALE_MODES", "WIRE_DTYPES", "BoundaryCodec", "BoundaryContext", "DenseCodec", "EncodedPayload", "MaskCodec",
+    "PayloadError", "QuantCodec", "TopKCodec", "gather_kept", "make_codec", "masked_boundary", "rms_scale",
+    "scatter_kept", "simulate_transfer",
+]
