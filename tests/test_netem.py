@@ -1,0 +1,118 @@
+"""Smoke tests of scripts/netem.py: shaped namespaces move data at the set rate and leave nothing behind.
+
+Needs root, Linux and iproute2/iptables/ethtool (the delay case also gcc and libnetfilter-queue-dev);
+skipped with the reason otherwise. Each test removes its network in a fixture, also on failure.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import netem  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+RATE_MBIT = 20.0
+
+
+def _skip_reason() -> str | None:
+    if not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "netem needs root (namespaces, tc, iptables)"
+    missing = [tool for tool in ("ip", "tc", "iptables", "ethtool") if shutil.which(tool) is None]
+    if missing:
+        return f"missing tools: {', '.join(missing)} (apt-get install iproute2 iptables ethtool)"
+    probe = f"mn-probe{secrets.token_hex(2)}"
+    if subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode != 0:
+        return "cannot create network namespaces here"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+_REASON = _skip_reason()
+pytestmark = [pytestmark, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
+
+
+def _host_snapshot() -> tuple[set[str], str, str]:
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    names = {line.split(":")[1].strip().split("@")[0] for line in links.splitlines() if ":" in line}
+    rules = subprocess.run(["iptables-save"], capture_output=True, text=True).stdout
+    rules = "\n".join(line for line in rules.splitlines() if not line.startswith("#"))
+    qdiscs = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True).stdout
+    return names, rules, qdiscs
+
+
+@pytest.fixture
+def run_id():
+    """A fresh run id; whatever it created is removed afterwards, pass or fail."""
+    rid = "t" + secrets.token_hex(3)
+    before = _host_snapshot()
+    yield rid
+    netem.teardown_run_id(rid)
+    assert not [ns for ns in netem.list_namespaces() if ns.startswith(f"mn-{rid}-")]
+    assert _host_snapshot() == before, "host links, iptables rules or qdiscs changed"
+
+
+def _assert_gone(rid: str, state_path: Path) -> None:
+    assert not [ns for ns in netem.list_namespaces() if ns.startswith(f"mn-{rid}-")]
+    assert not state_path.exists()
+
+
+def test_shaped_rate_and_clean_teardown(run_id, tmp_path):
+    state_path = tmp_path / "netem.json"
+    config = netem.NetemConfig(peers=2, rate_mbit=RATE_MBIT)
+    with netem.emulated_network(config, state_path, run_id=run_id, install=False) as net:
+        assert state_path.exists()
+        assert len(net.state.namespaces) == 3  # hub + 2 peers
+        m = net.measure(0, 1, seconds=3.0, ping=False)
+        assert net.state.congestion_control
+        assert m.congestion_control == net.state.congestion_control
+        rules = net.run(1, ["iptables-save"])
+    assert 0.80 * RATE_MBIT <= m.mbit_per_s <= 1.05 * RATE_MBIT, m
+    assert "NFQUEUE" not in rules  # no delay asked, no queue
+    _assert_gone(run_id, state_path)
+
+
+@pytest.mark.skipif(netem.missing_tools() and "gcc" in " ".join(netem.missing_tools()) or
+                    not Path("/usr/include/libnetfilter_queue/libnetfilter_queue.h").exists(),
+                    reason="delay needs gcc and libnetfilter-queue-dev (apt-get install gcc libnetfilter-queue-dev)")
+def test_delay_rate_and_teardown_after_crash(run_id, tmp_path):
+    """Delay adds 2x one-way to the RTT without throttling TCP; `down` cleans up from the state file alone."""
+    state_path = tmp_path / "netem.json"
+    config = netem.NetemConfig(peers=2, rate_mbit=RATE_MBIT, delay_ms=10.0)
+    net = netem.EmulatedNetwork.create(config, state_path, run_id=run_id, install=False)
+    try:
+        m = net.measure(0, 1, seconds=3.0, ping=False)
+        assert "NFQUEUE" in net.run(1, ["iptables-save"])
+        pids = [p["pid"] for p in net.state.processes]
+        assert pids and all(Path(f"/proc/{pid}").exists() for pid in pids)
+        # "Crash": forget the object, tear down with the CLI from the state file only.
+        del net
+        proc = subprocess.run([sys.executable, netem.__file__, "down", "--state", str(state_path)],
+                              capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0, proc.stderr
+    finally:
+        if state_path.exists():
+            netem.teardown_run(netem.NetemState.load(state_path), state_path)
+    assert 19.0 <= m.rtt_ms <= 30.0, m
+    assert 0.80 * RATE_MBIT <= m.mbit_per_s <= 1.05 * RATE_MBIT, m
+    assert all(netem._is_zombie(pid) for pid in pids)  # dead (a zombie until our Popen reaps it)
+    _assert_gone(run_id, state_path)
+
+
+def test_create_failure_removes_partial_network(run_id, tmp_path):
+    """A failure half-way through `up` removes what was already made."""
+    state_path = tmp_path / "netem.json"
+    bad = netem.NetemConfig(peers=2, rate_mbit=RATE_MBIT, congestion_control="no-such-cc")
+    with pytest.raises(netem.NetemError):
+        netem.EmulatedNetwork.create(bad, state_path, run_id=run_id, install=False)
+    _assert_gone(run_id, state_path)
