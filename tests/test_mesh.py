@@ -1,0 +1,146 @@
+"""The in-process mesh: equals plain dense training when masking is off; deterministic when on;
+DP and anchor wiring behave as DESIGN.md section 1 says."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from meshnode.mesh import MeshTrainer
+from meshnode.model import load_model
+from meshnode.stage import causal_lm_loss
+
+EXACT = ("train.eval_every=0", "train.grad_clip=0.0", "mask.wire_dtype=float32", "train.bf16=false")
+
+
+def _reference_losses(cfg, trainer: MeshTrainer, steps: int) -> list[list[float]]:
+    """Each replica's batches trained on the *uncut* HF model with torch.optim.AdamW: the dense reference."""
+    model, _ = load_model(cfg.model)
+    out = []
+    for r in range(trainer.replicas):
+        m = copy.deepcopy(model)
+        m.lm_head.weight = torch.nn.Parameter(m.model.embed_tokens.weight.detach().clone())  # untied, like the cut
+        m.config.tie_word_embeddings = False
+        t = cfg.train
+        opt = torch.optim.AdamW(m.parameters(), lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay)
+        from meshnode.optim import lr_at
+
+        losses = []
+        for step in range(steps):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
+            ids = trainer.sources[r].batch(step)
+            loss = causal_lm_loss(m(ids).logits, ids)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out.append(losses)
+    return out
+
+
+@pytest.mark.parametrize("replicas,stages", [(1, 3), (2, 2)])
+def test_unmasked_mesh_equals_dense_training(tiny_cfg, cache_dir, replicas, stages):
+    cfg = tiny_cfg(*EXACT, "train.steps=6", f"dp.replicas={replicas}", f"model.stages={stages}")
+    mesh = MeshTrainer(cfg, cache_dir)
+    ref = _reference_losses(cfg, mesh, 6)  # before training: the reference starts from the same weights
+    for _ in range(6):
+        mesh.train_step()
+    mean_ref = [sum(col) / replicas for col in zip(*ref)]  # the mesh records the mean over replicas per step
+    assert len(mesh.losses) == 6
+    for a, b in zip(mesh.losses, mean_ref):
+        assert abs(a - b) <= 2e-5, (mesh.losses, mean_ref)
+    if replicas == 2:  # without DP the replicas train apart on their own shards
+        w0 = mesh.workers[0][0].module.embed_tokens.weight
+        w1 = mesh.workers[1][0].module.embed_tokens.weight
+        assert not torch.equal(w0, w1)
+
+
+def test_exact_dp_every_step_is_parameter_averaging(tiny_cfg, cache_dir):
+    """H = 1, outer lr 1, no momentum, PowerSGD rank above every matrix's rank: DiLoCo == averaging params."""
+    cfg = tiny_cfg(
+        *EXACT, "train.steps=3", "dp.enabled=true", "dp.replicas=2", "dp.inner_steps=1", "dp.outer_lr=1.0",
+        "dp.outer_momentum=0.0", "dp.rank=512", "dp.fragments=1",
+    )
+    mesh = MeshTrainer(cfg, cache_dir)
+    solo = copy.deepcopy([[w.module for w in ws] for ws in mesh.workers])
+    mesh.train_step()
+    # replicas agree after the sync
+    for a, b in zip(mesh.workers[0], mesh.workers[1]):
+        for (n, pa), (_, pb) in zip(a.module.named_parameters(), b.module.named_parameters()):
+            assert torch.equal(pa, pb), n
+    # and equal the average of two independent steps from the same start
+    solo_cfg = tiny_cfg(*EXACT, "train.steps=3", "dp.replicas=2")
+    ind = MeshTrainer(solo_cfg, cache_dir)
+    for r in range(2):
+        for w, m in zip(ind.workers[r], solo[r]):
+            w.module.load_state_dict(m.state_dict())
+    ind.train_step()
+    for s in range(len(mesh.workers[0])):
+        pa = dict(mesh.workers[0][s].module.named_parameters())
+        p0 = dict(ind.workers[0][s].module.named_parameters())
+        p1 = dict(ind.workers[1][s].module.named_parameters())
+        for n in pa:
+            assert torch.allclose(pa[n], (p0[n] + p1[n]) / 2, atol=1e-5), n
+    assert mesh.counter.snapshot()["dp"] > 0
+
+
+def test_masked_mesh_is_deterministic_and_compresses(tiny_cfg, cache_dir):
+    args = ("train.eval_every=0", "train.steps=5", "mask.ratio=0.9", "model.stages=3")
+    a = MeshTrainer(tiny_cfg(*args), cache_dir)
+    a.train()
+    b = MeshTrainer(tiny_cfg(*args), cache_dir)
+    b.train()
+    assert a.losses == b.losses
+    c = MeshTrainer(tiny_cfg(*args, "train.seed=1"), cache_dir)  # another seed: other masks, other batches
+    c.train()
+    assert c.losses != a.losses
+    dense = MeshTrainer(tiny_cfg("train.eval_every=0", "train.steps=5", "model.stages=3"), cache_dir)
+    dense.train()
+    ratio = a.counter.snapshot()["pp_fwd"] / dense.counter.snapshot()["pp_fwd"]
+    assert 0.09 < ratio < 0.2  # 6 of 64 channels (+ 64-byte headers) vs all 64
+
+
+def test_mask_warmup_runs_dense_first(tiny_cfg, cache_dir):
+    cfg = tiny_cfg("train.eval_every=0", "train.steps=4", "mask.ratio=0.9", "mask.warmup_steps=2")
+    t = MeshTrainer(cfg, cache_dir)
+    t.train_step()
+    first = t.counter.snapshot()["pp_fwd"]
+    t.train_step()
+    t.train_step()
+    third = t.counter.snapshot()["pp_fwd"] - 2 * first
+    assert third < first / 4
+
+
+def test_anchor_prior_arrives_after_its_delay(tiny_cfg, cache_dir):
+    cfg = tiny_cfg("train.eval_every=0", "train.steps=9", "mask.ratio=0.9", "anchor.enabled=true", "anchor.period=3",
+                   "spectral.rank=4")
+    t = MeshTrainer(cfg, cache_dir)
+    opt = t.workers[0][0].optimizer
+    for _ in range(5):
+        t.train_step()
+    assert all(f.prior_step is None for f in opt.filters.values())  # cycle at step 3, not delivered before 6
+    assert t.counter.snapshot()["anchor"] > 0
+    t.train_step()  # step index 5 -> 6 steps done: the prior of the snapshot at 3 arrives
+    steps = {f.prior_step for f in opt.filters.values()}
+    assert steps == {3}
+    assert opt.prior_age(6) == 3
+    t.train_step()
+    t.train_step()
+    t.train_step()
+    assert {f.prior_step for f in opt.filters.values()} == {6}
+
+
+def test_anchor_resume_is_bit_identical(tiny_cfg, cache_dir, tmp_path):
+    args = ("train.eval_every=0", "train.steps=8", "mask.ratio=0.9", "anchor.enabled=true", "anchor.period=2",
+            "spectral.rank=4", "dp.enabled=true", "dp.replicas=2", "dp.inner_steps=3", "dp.rank=2")
+    a = MeshTrainer(tiny_cfg(*args), cache_dir)
+    a.train()
+    b = MeshTrainer(tiny_cfg(*args), cache_dir)
+    b.train(until=3, checkpoint_dir=tmp_path / "ck")
+    c = MeshTrainer(tiny_cfg(*args), cache_dir)
+    c.load_checkpoint(tmp_path / "ck")
+    c.train()
+    assert c.losses == a.losses
