@@ -102,6 +102,7 @@ class MaskConfig:
 
     ratio: float = 0.0
     rescale: str = "none"  # none | inv_keep | rms
+    fill: str = "zero"  # zero (the paper) | mean (dropped channels get the microbatch's channel mean)
     warmup_steps: int = 0
     codec: str = "mask"  # mask | topk | int8 | int4 | dense  (baselines for the quality table)
     topk_ratio: float = 0.1  # fraction of channels kept by the top-k baseline
@@ -181,6 +182,7 @@ class RunConfig:
 
 _CHOICES = {
     "mask.rescale": ("none", "inv_keep", "rms"),
+    "mask.fill": ("zero", "mean"),
     "mask.codec": ("mask", "topk", "int8", "int4", "dense"),
     "mask.wire_dtype": ("bfloat16", "float16", "float32"),
     "spectral.mode": ("filter", "clean_every", "delayed_ef", "bias_correction"),
@@ -306,6 +308,8 @@ def _cross_check(cfg: RunConfig) -> None:
             raise ConfigError(f"model.boundaries: must be strictly increasing and > 0, got {b}")
     if cfg.model.source == "tiny" and cfg.model.tiny_hidden % cfg.model.tiny_heads:
         raise ConfigError("model.tiny_hidden: must be divisible by model.tiny_heads")
+    if cfg.mask.fill == "mean" and cfg.mask.rescale != "none":
+        raise ConfigError("mask.fill: 'mean' works with mask.rescale = 'none' only")
     if len(cfg.train.betas) != 2:
         raise ConfigError(f"train.betas: expected two numbers, got {cfg.train.betas}")
 

@@ -58,6 +58,7 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
 }
 _DENSE_DTYPES: dict[str, torch.dtype] = {**WIRE_DTYPES, "float64": torch.float64}
 RESCALE_MODES = ("none", "inv_keep", "rms")
+FILL_MODES = ("zero", "mean")
 ACTIVATION, GRAD = "activation", "grad"
 
 
@@ -282,20 +283,37 @@ class DenseCodec(BoundaryCodec):
 
 
 class MaskCodec(BoundaryCodec):
-    """The PRF mask: K = round((1-p) H) values per token, indices re-derived from the key on both sides."""
+    """The PRF mask: K = round((1-p) H) values per token, indices re-derived from the key on both sides.
+
+    ``fill`` says what the receiver puts at the dropped positions:
+
+    - ``zero`` (the paper): zeros. The next stage sees a vector whose dropped channels, including the
+      residual stream's large, nearly constant "massive activation" channels, are 0.
+    - ``mean``: the per-channel mean of this microbatch, ``mean_c = mean_{b,t} x[b, t, c]`` (H values,
+      sent beside the kept values: H x 2 bytes per message). The receiver's input is then
+      ``y = m + mask * (x - m)``: the error per dropped entry is its deviation from the channel mean
+      instead of its whole value. The function stays differentiable end to end: the backward payload
+      is the gradient at the same K positions plus ``sum over dropped (b, t) of g[b, t, c]`` (H values,
+      fp32), which the sender spreads as ``1/(B T)`` over every token (the gradient through the mean).
+    """
 
     name = "mask"
 
-    def __init__(self, ratio: float, rescale: str = "none", wire_dtype: str = "bfloat16") -> None:
+    def __init__(self, ratio: float, rescale: str = "none", wire_dtype: str = "bfloat16", fill: str = "zero") -> None:
         super().__init__(wire_dtype)
         num_kept(1, ratio)  # validates the range
         if rescale not in RESCALE_MODES:
             raise ValueError(f"rescale must be one of {', '.join(RESCALE_MODES)}, got {rescale!r}")
+        if fill not in FILL_MODES:
+            raise ValueError(f"fill must be one of {', '.join(FILL_MODES)}, got {fill!r}")
+        if fill == "mean" and rescale != "none":
+            raise ValueError("fill = mean works with rescale = none only")
         self.ratio = float(ratio)
         self.rescale = rescale
+        self.fill = fill
 
     def describe(self) -> str:
-        return f"mask(p={self.ratio}, rescale={self.rescale}, {self.wire_dtype_name})"
+        return f"mask(p={self.ratio}, rescale={self.rescale}, fill={self.fill}, {self.wire_dtype_name})"
 
     def keep_factor(self) -> float:
         """The ``inv_keep`` factor 1/(1-p)."""
@@ -317,15 +335,21 @@ class MaskCodec(BoundaryCodec):
             "row_offset": ctx.row_offset,
             "ratio": self.ratio,
             "rescale": self.rescale,
+            "fill": self.fill,
         }
 
     def _adopt_key(self, payload: EncodedPayload, ctx: BoundaryContext | None) -> BoundaryContext:
         """The receiver's context: its own key if it has one (checked against the payload's), else the payload's."""
         meta = payload.meta
-        if meta.get("ratio", self.ratio) != self.ratio or meta.get("rescale", self.rescale) != self.rescale:
+        if (
+            meta.get("ratio", self.ratio) != self.ratio
+            or meta.get("rescale", self.rescale) != self.rescale
+            or meta.get("fill", "zero") != self.fill
+        ):
             raise PayloadError(
-                f"payload masked with ratio={meta.get('ratio')} rescale={meta.get('rescale')}, "
-                f"this boundary uses ratio={self.ratio} rescale={self.rescale}"
+                f"payload masked with ratio={meta.get('ratio')} rescale={meta.get('rescale')} "
+                f"fill={meta.get('fill', 'zero')}, this boundary uses ratio={self.ratio} rescale={self.rescale} "
+                f"fill={self.fill}"
             )
         sent = meta.get("key")
         try:
@@ -349,6 +373,8 @@ class MaskCodec(BoundaryCodec):
         specs = {"values": ((b, t, num_kept(h, self.ratio)), self.wire_dtype)}
         if self.rescale == "rms" and kind == ACTIVATION:
             specs["scale"] = ((b, t), torch.float32)
+        if self.fill == "mean":
+            specs["mean"] = ((h,), self.wire_dtype) if kind == ACTIVATION else ((h,), torch.float32)
         return specs
 
     def encode(self, x: Tensor, ctx: BoundaryContext | None = None) -> EncodedPayload:
@@ -360,6 +386,8 @@ class MaskCodec(BoundaryCodec):
         tensors = {"values": values}
         if self.rescale == "rms":
             tensors["scale"] = rms_scale(x, values)  # measured on the wire-rounded values
+        if self.fill == "mean":
+            tensors["mean"] = x.detach().float().mean(dim=(0, 1)).to(self.wire_dtype)  # (H,)
         return self._payload(ACTIVATION, x, tensors, self._meta(ctx))
 
     def decode(self, payload: EncodedPayload, ctx: BoundaryContext | None = None) -> Tensor:
@@ -370,6 +398,9 @@ class MaskCodec(BoundaryCodec):
         dtype = _DENSE_DTYPES[payload.dtype]
         values = payload.tensors["values"]
         idx = self._indices(ctx, b, t, h, values.device)
+        if self.fill == "mean":
+            y = payload.tensors["mean"].to(dtype).expand(b, t, h).clone()
+            return y.scatter_(-1, idx, values.to(dtype))
         y = scatter_kept(values.to(dtype), idx, h)
         if self.rescale == "inv_keep":
             y = y * self.keep_factor()
@@ -390,7 +421,11 @@ class MaskCodec(BoundaryCodec):
             if ctx.scale is None:
                 raise ValueError("rms rescale: encode_grad needs the scale recorded by decode in this context")
             g = g * ctx.scale.to(device=g.device, dtype=g.dtype)[..., None]
-        return self._payload(GRAD, grad, {"values": g.to(self.wire_dtype)}, self._meta(ctx))
+        tensors = {"values": g.to(self.wire_dtype)}
+        if self.fill == "mean":  # the gradient of the filled mean: sum over the dropped positions
+            kept = torch.zeros(b, t, h, device=grad.device).scatter_(-1, idx, 1.0)  # (B, T, H)
+            tensors["mean"] = (grad.detach().float() * (1.0 - kept)).sum(dim=(0, 1))  # (H,) float32
+        return self._payload(GRAD, grad, tensors, self._meta(ctx))
 
     def decode_grad(self, payload: EncodedPayload, ctx: BoundaryContext | None = None) -> Tensor:
         self._header(payload, GRAD)
@@ -399,7 +434,11 @@ class MaskCodec(BoundaryCodec):
         b, t, h = payload.shape
         values = payload.tensors["values"]
         idx = self._indices(ctx, b, t, h, values.device)
-        return scatter_kept(values.to(_DENSE_DTYPES[payload.dtype]), idx, h)
+        dtype = _DENSE_DTYPES[payload.dtype]
+        g = scatter_kept(values.to(dtype), idx, h)
+        if self.fill == "mean":
+            g = g + (payload.tensors["mean"] / (b * t)).to(dtype)
+        return g
 
     def forward_nbytes(self, batch: int, seq: int, hidden: int) -> int:
         n = batch * seq * num_kept(hidden, self.ratio) * self.wire_dtype.itemsize
@@ -532,7 +571,7 @@ def make_codec(mask_cfg: MaskConfig, *, step: int | None = None) -> BoundaryCode
     if kind == "dense" or (kind == "mask" and mask_cfg.ratio == 0.0):
         return DenseCodec(mask_cfg.wire_dtype)
     if kind == "mask":
-        return MaskCodec(mask_cfg.ratio, mask_cfg.rescale, mask_cfg.wire_dtype)
+        return MaskCodec(mask_cfg.ratio, mask_cfg.rescale, mask_cfg.wire_dtype, mask_cfg.fill)
     if kind == "topk":
         return TopKCodec(mask_cfg.topk_ratio, mask_cfg.wire_dtype)
     if kind in ("int8", "int4"):
