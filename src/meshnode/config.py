@@ -118,6 +118,10 @@ class AnchorConfig:
     period: int = 20  # K: fast steps between anchor cycles, and the delay of each prior
     max_staleness: int = 30
     batch_size: int = 0  # 0 = same as train.batch_size
+    # Where the anchor's weight snapshot comes from: "full" = a copy of a fast replica's current weights
+    # (bf16 on the wire every cycle); "dp" = the anchor listens to the DP all-reduce and keeps the global
+    # (outer) weights, paying one replica's share of every DP round instead (needs dp.enabled).
+    snapshot: str = "full"
     allowed_keys: list[str] = field(default_factory=list)  # anchor public keys (swarm)
 
 
@@ -187,6 +191,7 @@ _CHOICES = {
     "mask.wire_dtype": ("bfloat16", "float16", "float32"),
     "spectral.mode": ("filter", "clean_every", "delayed_ef", "bias_correction"),
     "spectral.ema_init": ("first", "zero"),
+    "anchor.snapshot": ("full", "dp"),
     "model.tokenizer": ("model", "bytes"),
     "model.dtype": ("float32", "bfloat16", "float16"),
 }
@@ -310,6 +315,8 @@ def _cross_check(cfg: RunConfig) -> None:
         raise ConfigError("model.tiny_hidden: must be divisible by model.tiny_heads")
     if cfg.mask.fill == "mean" and cfg.mask.rescale != "none":
         raise ConfigError("mask.fill: 'mean' works with mask.rescale = 'none' only")
+    if cfg.anchor.enabled and cfg.anchor.snapshot == "dp" and not cfg.dp.enabled:
+        raise ConfigError("anchor.snapshot: 'dp' needs dp.enabled = true (the anchor follows the DP all-reduce)")
     if len(cfg.train.betas) != 2:
         raise ConfigError(f"train.betas: expected two numbers, got {cfg.train.betas}")
 

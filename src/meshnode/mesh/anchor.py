@@ -1,6 +1,7 @@
 """The anchor replica of the in-process mesh: unmasked passes on stale weights that become priors.
 
-Every ``anchor.period`` (K) fast steps the anchor copies replica 0's current weights (the snapshot),
+Every ``anchor.period`` (K) fast steps the anchor copies replica 0's current weights (the snapshot;
+with ``anchor.snapshot = "dp"`` the global weights of the last DP sync instead),
 draws a batch from the same training distribution (its own order, seed offset), and runs an
 unmasked forward/backward with dense boundary transfers. The gradients of the targeted matrices are
 the prior; it reaches every fast optimizer K steps later, the delay the swarm would see, so when used
@@ -12,7 +13,8 @@ publishes both gradients; the fast optimizers keep a low-rank EMA of (clean - ma
 
 Bytes on the ``anchor`` axis: the anchor pipeline's dense boundary traffic, the weight snapshot it
 must fetch (bf16, every cycle) and the published prior (rank-r factors in fp16, or the dense matrix
-when the rank is full).
+when the rank is full). With ``anchor.snapshot = "dp"`` the snapshot costs no bf16 copy: the anchor
+receives one replica's share of every DP round (counted in ``mesh.dp``).
 """
 
 from __future__ import annotations
@@ -76,9 +78,16 @@ class MeshAnchor:
 
     def cycle(self, trainer, step: int) -> _Prior:
         """One anchor cycle on the weights replica 0 has after ``step`` fast steps."""
-        for aw, fw in zip(self.workers, trainer.workers[0]):
-            aw.module.load_state_dict(fw.module.state_dict())
-            trainer.counter.add("anchor", sum(p.numel() * 2 for p in fw.module.parameters()))
+        if trainer.cfg.anchor.snapshot == "dp":  # the global weights of the last DP sync, already paid for
+            for s, aw in enumerate(self.workers):
+                start = trainer.dp.outer[s].start
+                with torch.no_grad():
+                    for n, p in aw.module.named_parameters():
+                        p.copy_(start[n])
+        else:
+            for aw, fw in zip(self.workers, trainer.workers[0]):
+                aw.module.load_state_dict(fw.module.state_dict())
+                trainer.counter.add("anchor", sum(p.numel() * 2 for p in fw.module.parameters()))
         ids = self.source.batch(self.cycles)
         mb = MicrobatchId(step, 0)
         clean = self._grads(mb, ids, masked=False)

@@ -54,6 +54,8 @@ class MeshDP:
         pseudo = [self.outer[stage].pseudo_gradient(live[r], names) for r in range(self.replicas)]
         results, sent = powersgd_allreduce(self.psgd[stage], pseudo)
         trainer.counter.add("dp", int(sum(sent)))
+        if trainer.cfg.anchor.enabled and trainer.cfg.anchor.snapshot == "dp":
+            trainer.counter.add("anchor", int(max(sent)))  # the anchor receives one replica's share of the round
         self.outer[stage].apply(results[0], live[0])
         for r in range(1, self.replicas):
             for n in names:

@@ -99,13 +99,13 @@ class MeshTrainer:
         self.step = 0
         self.tokens = 0
         self.losses: list[float] = []
-        self.extensions: list = []  # DP and anchor hooks: objects with after_step(trainer, step) / state
+        # DP and anchor hooks: objects with after_step(trainer, step), state_dict(), load_state_dict()
         from .anchor import maybe_anchor
         from .dp import maybe_dp
 
-        for ext in (maybe_dp(self), maybe_anchor(self)):
-            if ext is not None:
-                self.extensions.append(ext)
+        self.dp = maybe_dp(self)
+        self.anchor = maybe_anchor(self)
+        self.extensions = [e for e in (self.dp, self.anchor) if e is not None]
 
     # ------------------------------------------------------------------------------------------
 
