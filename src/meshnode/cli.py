@@ -28,6 +28,9 @@ logger = logging.getLogger("meshnode")
 
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="Run config TOML file.")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a config key: --set train.lr=3e-4")]
+PeersOpt = Annotated[
+    list[str] | None, typer.Option("--initial-peers", help="Multiaddr of a peer of the swarm (repeatable).")
+]
 CacheOpt = Annotated[
     Path | None,
     typer.Option("--cache-dir", help="Cache for models and data (default $MESHNODE_CACHE or ~/.cache/meshnode)."),
@@ -164,15 +167,157 @@ def train(
 def export(
     out: Annotated[Path, typer.Option("--out", help="Hugging Face directory to write.")],
     checkpoint: Annotated[Path | None, typer.Option("--checkpoint", help="A checkpoint of meshnode train.")] = None,
+    initial_peers: PeersOpt = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="Run config (with --initial-peers).")] = None,
+    set_: SetOpt = None,
+    cache_dir: CacheOpt = None,
 ) -> None:
-    """Write a trained checkpoint as a plain Hugging Face model directory (untied lm_head)."""
-    with user_errors():
-        if checkpoint is None:
-            raise ConfigError("export needs --checkpoint DIR")
-        from .mesh import export_checkpoint
+    """Write a plain Hugging Face model directory: from a checkpoint, or from a running swarm's peers."""
+    with swarm_errors():
+        if checkpoint is None and not initial_peers:
+            raise ConfigError("export needs --checkpoint DIR, or --initial-peers MADDR with --config RUN.toml")
+        if checkpoint is not None:
+            from .mesh import export_checkpoint
 
-        path = export_checkpoint(checkpoint, out)
+            path = export_checkpoint(checkpoint, out)
+        else:
+            if config is None:
+                raise ConfigError("export --initial-peers needs --config RUN.toml (the run's config)")
+            cfg = load_config(config, list(set_ or []))
+            from .node.inspect import export_from_swarm
+
+            path = export_from_swarm(cfg, list(initial_peers), out, cache_dir_from(cache_dir))["out"]
     typer.echo(f"wrote {path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the swarm: join, status, demo
+
+
+@contextmanager
+def swarm_errors():
+    """user_errors plus the swarm's own errors (unreachable peers, a stage without peer)."""
+    from .node.swarm import SwarmError
+
+    try:
+        with user_errors():
+            yield
+    except SwarmError as exc:
+        if _State.debug:
+            raise
+        typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(1) from None
+
+
+@app.command()
+def join(
+    config: ConfigOpt,
+    initial_peers: PeersOpt = None,
+    host_maddrs: Annotated[
+        list[str] | None, typer.Option("--host-maddrs", help="Multiaddrs to listen on (default 127.0.0.1, any port).")
+    ] = None,
+    stage: Annotated[str, typer.Option("--stage", help="Stage to serve: a number, or auto.")] = "auto",
+    role: Annotated[str, typer.Option("--role", help="fast | anchor | driver")] = "fast",
+    device: Annotated[str, typer.Option("--device", help="cpu | cuda")] = "cpu",
+    identity: Annotated[
+        Path | None,
+        typer.Option("--identity", help="RSA key file that signs this peer's records (created if missing)."),
+    ] = None,
+    checkpoint_dir: Annotated[Path | None, typer.Option("--checkpoint-dir", help="Save / resume here.")] = None,
+    metrics_out: Annotated[Path | None, typer.Option("--metrics-out", help="Driver: per-step JSON lines.")] = None,
+    ready_file: Annotated[Path | None, typer.Option("--ready-file", help="Written once the peer serves.")] = None,
+    threads: Annotated[int, typer.Option("--threads", help="torch threads of this peer.")] = 1,
+    announce_period: Annotated[float, typer.Option("--announce-period", help="Seconds between announcements.")] = 3.0,
+    set_: SetOpt = None,
+    cache_dir: CacheOpt = None,
+) -> None:
+    """Join a swarm as a peer: serve a stage (or the anchor) until SIGINT / SIGTERM."""
+    with swarm_errors():
+        cfg = load_config(config, list(set_ or []))
+        if role not in ("fast", "anchor", "driver"):
+            raise ConfigError(f"--role: {role!r} is not one of fast, anchor, driver")
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            raise ConfigError(f"--device: {device!r} is not cpu or cuda")
+        if stage != "auto" and not stage.isdigit():
+            raise ConfigError(f"--stage: {stage!r} is not a stage number or auto")
+        if stage != "auto" and int(stage) >= cfg.model.stages:
+            raise ConfigError(f"--stage: {stage} but the run has stages 0..{cfg.model.stages - 1}")
+        from .node.daemon import JoinOptions, run_join
+
+        opts = JoinOptions(
+            initial_peers=list(initial_peers or []), host_maddrs=list(host_maddrs or ["/ip4/127.0.0.1/tcp/0"]),
+            stage=None if stage == "auto" else int(stage), role=role, device=device, identity=identity,
+            checkpoint_dir=checkpoint_dir, cache_dir=cache_dir_from(cache_dir), metrics_out=metrics_out,
+            ready_file=ready_file, threads=threads, announce_period=announce_period,
+        )
+        run_join(cfg, opts)
+
+
+@app.command()
+def status(
+    initial_peers: PeersOpt = None,
+    run: Annotated[str | None, typer.Option("--run", help="Run id (name-hash), e.g. tiny-0123456789.")] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="Run config (gives the run id).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    watch: Annotated[float, typer.Option("--watch", help="Refresh every N seconds (0 = once).")] = 0.0,
+    set_: SetOpt = None,
+) -> None:
+    """Show the swarm from the DHT alone: stages, peers, tokens/s, steps, loss, prior age, bytes/token, health."""
+    from rich.console import Console
+
+    with swarm_errors():
+        if run is None:
+            if config is None:
+                raise ConfigError("status needs --run RUN_ID or --config RUN.toml")
+            run = load_config(config, list(set_ or [])).run_id
+        from .node.inspect import SwarmReader
+        from .node.status import render_table, status_json
+
+        console = Console()
+        with SwarmReader(list(initial_peers or []), run) as reader:
+            while True:
+                snap = status_json(reader.peers(), run)
+                if as_json:
+                    typer.echo(json.dumps(snap))
+                else:
+                    console.print(render_table(snap))
+                if not watch:
+                    break
+                import time
+
+                time.sleep(watch)
+
+
+@app.command()
+def demo(
+    tiny: Annotated[bool, typer.Option("--tiny", help="The tiny random model (fast, for a smoke run).")] = False,
+    steps: Annotated[int | None, typer.Option("--steps", help="Optimizer steps of the driver.")] = None,
+    method: Annotated[str, typer.Option("--method", help="dense | m95 (M95 + anchor prior + DP).")] = "m95",
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="Run config (default: built in).")] = None,
+    set_: SetOpt = None,
+    metrics_out: Annotated[Path | None, typer.Option("--metrics-out", help="Write the summary JSON here.")] = None,
+    workdir: Annotated[
+        Path | None, typer.Option("--workdir", help="Logs, keys and config (default: a temp dir).")
+    ] = None,
+    dp_peers: Annotated[int, typer.Option("--dp-peers", help="Fast peers per stage.")] = 1,
+    anchor: Annotated[bool, typer.Option("--anchor/--no-anchor", help="Start an anchor peer.")] = True,
+    cache_dir: CacheOpt = None,
+) -> None:
+    """Start a local swarm on 127.0.0.1 (bootstrap + one process per peer), train, report, stop everything."""
+    with swarm_errors():
+        if method not in ("dense", "m95"):
+            raise ConfigError(f"--method: {method!r} is not dense or m95")
+        from .node.demo import DemoOptions, run_demo
+
+        opts = DemoOptions(
+            tiny=tiny, steps=steps, method=method, config=config, overrides=list(set_ or []), metrics_out=metrics_out,
+            workdir=workdir, dp_peers=dp_peers, anchor=anchor, cache_dir=cache_dir_from(cache_dir),
+        )
+        try:
+            run_demo(opts)
+        except KeyboardInterrupt:
+            typer.secho("interrupted: every peer the demo started was stopped", err=True)
+            raise typer.Exit(130) from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,225 @@
+"""The quality table (issue 4): every variant of the method on SmolLM2-135M, same token budget each.
+
+Tasks: ``domain`` (linux-doc, ``configs/smollm2-linuxdoc.toml``) and ``continual`` (sotu,
+``configs/smollm2-sotu.toml``). Every run is evaluated, unmasked, on the held-out split of *both*
+corpora. Variants with DP run X = 2 replicas for half the steps, so every variant sees the same number
+of training tokens. Results are written after every run (``--out``, JSON), so an interrupted table
+keeps what it has; ``--resume`` skips the runs already in the file. ``--render`` writes the Markdown
+table and the loss-curve PNG from the JSON.
+
+    python scripts/quality_table.py --out docs/results/quality.json            # the table (~1 h on 2 cores)
+    python scripts/quality_table.py --tasks domain --variants m95,m95_mean --steps 60 --out /tmp/q.json
+    python scripts/quality_table.py --render docs/results/quality.json
+
+Extra variants for the investigation are defined in ``VARIANTS`` below; ``--extra NAME=k=v,k=v`` adds
+one from the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from meshnode.config import load_config
+from meshnode.data import heldout_batches, prepare_corpus
+from meshnode.mesh import MeshTrainer
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = {"domain": "smollm2-linuxdoc.toml", "continual": "smollm2-sotu.toml"}
+EVAL_CONFIGS = {"linuxdoc": "smollm2-linuxdoc.toml", "sotu": "smollm2-sotu.toml"}
+
+# The paper's anchor prior (AP): K = 20, alpha 0.3, tau 1e-3, beta 0.95; the SVD truncated to rank 32.
+AP = ["anchor.enabled=true", "anchor.period=20", "spectral.alpha=0.3", "spectral.tau=1e-3", "spectral.beta=0.95",
+      "spectral.rank=32"]
+# Compressed DP: X = 2 replicas, streaming DiLoCo every H = 10 inner steps, PowerSGD rank 16 with 8-bit factors.
+DP = ["dp.enabled=true", "dp.replicas=2", "dp.inner_steps=10", "dp.rank=16", "dp.quantize=true", "dp.fragments=2",
+      "dp.outer_lr=0.7", "dp.outer_momentum=0.9"]
+
+VARIANTS: dict[str, list[str]] = {
+    # the table the issue asks for
+    "dense": [],
+    "dense_dp": DP,
+    "m90": ["mask.ratio=0.9"],
+    "m90_ap": ["mask.ratio=0.9", *AP],
+    "m95": ["mask.ratio=0.95"],
+    "m95_ap": ["mask.ratio=0.95", *AP],
+    "m95_ap_dp": ["mask.ratio=0.95", *AP, *DP, "anchor.snapshot=dp"],
+    "topk": ["mask.codec=topk", "mask.topk_ratio=0.1"],
+    "int8": ["mask.codec=int8"],
+    # investigation: what the paper's recipe needs, and what else closes the gap
+    "m95_ap_k10": ["mask.ratio=0.95", *AP, "anchor.period=10"],
+    "m95_ap_alpha0": ["mask.ratio=0.95", *AP, "spectral.alpha=0.0"],
+    "m95_ap_alpha1": ["mask.ratio=0.95", *AP, "spectral.alpha=1.0"],
+    "m95_ap_tau1e-1": ["mask.ratio=0.95", *AP, "spectral.tau=0.1"],
+    "m95_ap_zeroinit": ["mask.ratio=0.95", *AP, "spectral.ema_init=zero"],
+    "m95_clean10": ["mask.ratio=0.95", *AP, "spectral.mode=clean_every", "spectral.clean_every=10",
+                    "anchor.period=10"],
+    "m95_def": ["mask.ratio=0.95", *AP, "spectral.mode=delayed_ef"],
+    "m95_bc": ["mask.ratio=0.95", *AP, "spectral.mode=bias_correction", "anchor.period=10"],
+    "m95_warm20": ["mask.ratio=0.95", "mask.warmup_steps=20"],
+    "m95_rms": ["mask.ratio=0.95", "mask.rescale=rms"],
+    "m95_mean": ["mask.ratio=0.95", "mask.fill=mean"],
+    "m95_mean_ap": ["mask.ratio=0.95", "mask.fill=mean", *AP],
+    "m95_mean_ap_dp": ["mask.ratio=0.95", "mask.fill=mean", *AP, *DP, "anchor.snapshot=dp"],
+    "m90_mean": ["mask.ratio=0.9", "mask.fill=mean"],
+    "m75": ["mask.ratio=0.75"],
+    "m75_mean": ["mask.ratio=0.75", "mask.fill=mean"],
+}
+TABLE = ["dense", "dense_dp", "m90", "m90_ap", "m95", "m95_ap", "m95_ap_dp", "topk", "int8"]
+
+logger = logging.getLogger("quality_table")
+
+
+def run_one(task: str, name: str, overrides: list[str], steps: int, args, eval_sets) -> dict:
+    cfg_path = ROOT / "configs" / TASKS[task]
+    replicas = 2 if "dp.replicas=2" in overrides else 1
+    run_steps = steps // replicas
+    cfg = load_config(cfg_path, [
+        *args.set, *overrides, f"train.steps={run_steps}", f"train.eval_every={max(1, run_steps // 4)}",
+        f"train.eval_batches={args.eval_batches}",
+    ])
+    trainer = MeshTrainer(cfg, Path(args.cache_dir))
+    records: list[dict] = []
+    t0 = time.perf_counter()
+
+    def on_record(rec: dict) -> None:
+        records.append(rec)
+        if "loss" in rec and (rec["step"] + 1) % 10 == 0:
+            logger.info("%s/%s step %d loss %.4f", task, name, rec["step"] + 1, rec["loss"])
+
+    result = trainer.train(metrics=on_record)
+    wall = time.perf_counter() - t0
+    held = {corpus: trainer.heldout_loss(batches=batches) for corpus, batches in eval_sets.items()}
+    final = records[-1]
+    return {
+        "overrides": overrides, "steps": run_steps, "replicas": replicas, "tokens": result.tokens,
+        "heldout_loss": held, "bytes_per_token": final["bytes_per_token"], "wall_s": round(wall, 1),
+        "tokens_per_s": final["tokens_per_s"],
+        "loss_curve": [round(r["loss"], 4) for r in records if "loss" in r],
+        "eval_curve": [[r["step"], round(r["heldout_loss"], 4)] for r in records
+                       if "heldout_loss" in r and not r.get("final")],
+    }
+
+
+def render(path: Path) -> None:
+    data = json.loads(path.read_text())
+    lines = [f"Command: `{data.get('command', '')}`", "",
+             f"{data.get('steps')} steps of batch {data.get('batch')} per variant (same tokens for all), "
+             f"held-out loss evaluated unmasked on {data.get('eval_batches')} batches of each corpus.", ""]
+    for task, runs in data["tasks"].items():
+        before = data.get("before", {}).get(task, {})
+        dense = runs.get("dense", {})
+        lines += [
+            f"### {task}", "",
+            "| variant | held-out linux-doc | held-out sotu | vs dense (task corpus) | "
+            "pp_fwd | pp_bwd | dp | anchor | total B/token | wall s |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        if before:
+            lines.append(f"| (no training) | {before['linuxdoc']:.3f} | {before['sotu']:.3f} | | | | | | | |")
+        own = "linuxdoc" if task == "domain" else "sotu"
+        for name, r in runs.items():
+            h, b = r["heldout_loss"], r["bytes_per_token"]
+            rel = f"{(h[own] / dense['heldout_loss'][own] - 1) * 100:+.1f}%" if dense else ""
+            lines.append(
+                f"| {name} | {h['linuxdoc']:.3f} | {h['sotu']:.3f} | {rel} | {b['pp_fwd']:.0f} | {b['pp_bwd']:.0f} | "
+                f"{b['dp']:.0f} | {b['anchor']:.0f} | {b['total']:.0f} | {r['wall_s']:.0f} |"
+            )
+        lines.append("")
+    md = path.with_suffix(".md")
+    md.write_text("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover
+        logger.warning("matplotlib missing: no plot")
+        return
+    tasks = list(data["tasks"])
+    fig, axes = plt.subplots(1, len(tasks), figsize=(7 * len(tasks), 4.5), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for name, r in data["tasks"][task].items():
+            curve = r["loss_curve"]
+            k = 5
+            smooth = [sum(curve[max(0, i - k + 1): i + 1]) / len(curve[max(0, i - k + 1): i + 1])
+                      for i in range(len(curve))]
+            xs = [(i + 1) * r["replicas"] for i in range(len(curve))]  # x = token budget (dense steps)
+            ax.plot(xs, smooth, label=name, lw=1.2)
+        ax.set_title(f"{task}: training loss (5-step mean; masked variants see masked inputs)")
+        ax.set_xlabel("step (x replicas)")
+        ax.set_ylabel("train loss")
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path.with_name(path.stem + "_curves.png"), dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "quality.json"))
+    ap.add_argument("--tasks", default="domain,continual")
+    ap.add_argument("--variants", default=",".join(TABLE))
+    ap.add_argument("--extra", action="append", default=[], help="NAME=key=value,key=value")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--set", action="append", default=[], help="override for every run")
+    ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "meshnode"))
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--render", metavar="JSON", help="only render the Markdown table and plot of a JSON file")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.render:
+        render(Path(args.render))
+        return
+    variants = dict(VARIANTS)
+    for extra in args.extra:
+        name, _, spec = extra.partition("=")
+        variants[name] = [kv for kv in spec.split(",") if kv]
+    names = [v for v in args.variants.split(",") if v] + [e.partition("=")[0] for e in args.extra]
+    unknown = [n for n in names if n not in variants]
+    if unknown:
+        raise SystemExit(f"unknown variants: {unknown}")
+    out = Path(args.out)
+    data = json.loads(out.read_text()) if args.resume and out.is_file() else {}
+    data.update({
+        "command": "python scripts/quality_table.py " + " ".join(
+            [f"--tasks {args.tasks}", f"--variants {args.variants}", f"--steps {args.steps}"]
+            + [f"--set {s}" for s in args.set] + [f"--extra {e}" for e in args.extra]),
+        "steps": args.steps, "eval_batches": args.eval_batches, "batch": [4, 256],
+        "machine": {"cpu_threads": torch.get_num_threads(), "arch": platform.machine(), "torch": torch.__version__},
+    })
+    data.setdefault("tasks", {})
+    data.setdefault("before", {})
+    data.setdefault("variant_overrides", {})
+    # the fixed evaluation sets: held-out windows of both corpora, tokenised with the model's tokenizer
+    base = MeshTrainer(load_config(ROOT / "configs" / TASKS["domain"], [f"train.eval_batches={args.eval_batches}"]),
+                       Path(args.cache_dir))
+    eval_sets = {}
+    for corpus, cfg_name in EVAL_CONFIGS.items():
+        c = load_config(ROOT / "configs" / cfg_name)
+        prepared = prepare_corpus(c.data, base.tokenizer, Path(args.cache_dir))
+        eval_sets[corpus] = heldout_batches(prepared.heldout, c.train.batch_size, args.eval_batches)
+    for task in args.tasks.split(","):
+        data["before"].setdefault(task, {k: base.heldout_loss(batches=v) for k, v in eval_sets.items()})
+        runs = data["tasks"].setdefault(task, {})
+        for name in names:
+            if args.resume and name in runs:
+                continue
+            logger.info("== %s / %s: %s", task, name, " ".join(variants[name]))
+            runs[name] = run_one(task, name, variants[name], args.steps, args, eval_sets)
+            data["variant_overrides"][name] = variants[name]
+            logger.info("%s/%s: held-out %s, bytes/token %.1f, %.0f s", task, name, runs[name]["heldout_loss"],
+                        runs[name]["bytes_per_token"]["total"], runs[name]["wall_s"])
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(data, indent=1))
+    render(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""The anchor role: an unmasked pipeline on stale weights that publishes spectral priors.
+
+One anchor peer holds every stage (DESIGN.md: one anchor replica is enough). Every ``anchor.period``
+driver steps (read from the peers' records) it runs a cycle:
+
+1. fetch each stage's current weights from an online fast peer (``rpc_get_weights``, bf16; the
+   bytes count on the ``anchor`` axis, as the in-process mesh counts its snapshot);
+2. draw a batch from the training distribution (its own order: ``seed + ANCHOR_SEED_OFFSET``) and run
+   an unmasked forward/backward with dense boundaries (counted on ``anchor`` like the mesh does);
+3. fold each targeted matrix's clean gradient into its EMA and take the SVD truncated to
+   ``spectral.rank`` (:class:`SpectralFilter.update_prior`, the same code the mesh uses);
+4. publish the fp16 factors to ``{run}_prior_{stage}``, one signed value per matrix plus a header
+   naming the step (the stage's optimizer step at the snapshot) and the matrices.
+
+Anchors never take optimizer steps. The ``bias_correction`` mode is not published by the swarm
+anchor (filter modes only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import torch
+from hivemind.p2p import PeerID
+
+from ..protocol import keys
+from ..protocol.limits import Limits
+from ..protocol.messages import tensor_to_bytes
+from ..protocol.records import PeerRecord, factors_digest, prior_value
+from ..protocol.servicer import stream_rpc
+from .host import weights_from_chunks
+from .priors import HEADER_NAME
+from .status import driver_step
+
+logger = logging.getLogger(__name__)
+
+ANCHOR_SEED_OFFSET = 1_000_003  # the mesh anchor's offset (meshnode.mesh.anchor)
+
+
+class AnchorRunner:
+    def __init__(self, node):
+        self.node = node
+        self.cfg = node.cfg
+        self.cycles = 0
+        self.prior_step: int | None = None
+        self.next_at = self.cfg.anchor.period
+
+    def _build(self):
+        from ..data import BatchSource, make_tokenizer, prepare_corpus
+        from ..model import cut_model, load_model
+        from ..optim import SpectralFilter
+        from ..stage import StageWorker
+
+        cfg = self.cfg
+        model, hf_tok = load_model(cfg.model, self.node.opts.cache_dir)
+        self.limits = Limits.from_config(cfg, int(model.config.hidden_size), int(model.config.vocab_size))
+        stages = cut_model(model, cfg.model.stages, cfg.model.boundaries)
+        self.workers = []
+        for s in range(cfg.model.stages):
+            w = StageWorker(stages[s].to(self.node.opts.device), cfg, replica=-1, counter=self.node.counter)
+            w.masked = False
+            self.workers.append(w)
+        sp = cfg.spectral
+        self.filters = []
+        for w in self.workers:
+            params = dict(w.module.named_parameters())
+            self.filters.append({
+                name: SpectralFilter((params[name].shape[0], params[name].shape[1]), alpha=sp.alpha, tau=sp.tau,
+                                     beta=sp.beta, rank=sp.rank, mode="filter", ema_init=sp.ema_init)
+                for name in sorted(w.optimizer.filters)
+            })
+        tok = make_tokenizer(cfg.model, hf_tok)
+        corpus = prepare_corpus(cfg.data, tok, self.node.opts.cache_dir)
+        batch = cfg.anchor.batch_size or cfg.train.batch_size
+        self.source = BatchSource(corpus.train, batch, seed=cfg.train.seed + ANCHOR_SEED_OFFSET)
+
+    def _record(self, state: str) -> PeerRecord:
+        return PeerRecord(
+            peer_id=self.node.swarm.peer_id, role="anchor", stage=-1, num_stages=self.cfg.model.stages, state=state,
+            layers=[], step=self.cycles, prior_step=self.prior_step,
+            bytes={k: v for k, v in self.node.counter.snapshot().items() if k != "total"},
+        )
+
+    async def _announce(self, state: str) -> None:
+        await self.node.swarm.announce(self._record(state), self.node.opts.announce_period * 4)
+
+    async def run(self) -> None:
+        node = self.node
+        await self._announce("joining")
+        await asyncio.to_thread(self._build)
+        node.swarm.limits = self.limits
+        await self._announce("online")
+        node._write_ready()
+
+        async def announce_loop():
+            while True:
+                await asyncio.sleep(node.opts.announce_period)
+                try:
+                    await self._announce("online")
+                except Exception as exc:
+                    logger.warning("announce failed: %r", exc)
+
+        node.tasks.append(asyncio.create_task(announce_loop()))
+        while not node.stopping.is_set():
+            try:
+                peers = await node.swarm.refresh()
+                if driver_step(peers) >= self.next_at:
+                    await self.cycle()
+                    self.next_at = driver_step(node.swarm.peers) + self.cfg.anchor.period
+                    await self._announce("online")
+            except Exception as exc:
+                logger.warning("anchor cycle failed: %r", exc)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(node.stopping.wait(), 1.0)
+        await self._announce("offline")
+
+    async def _fetch(self, stage: int) -> tuple[dict, int]:
+        swarm = self.node.swarm
+        last = None
+        for peer in swarm.candidates(stage)[:3]:
+            try:
+                chunks = []
+                async for item in stream_rpc(
+                    swarm.p2p, PeerID.from_base58(peer.peer_id), f"{self.node.run_id}.rpc_get_weights",
+                    {"run": self.node.run_id, "dtype": "bfloat16"}, max_bytes=self.limits.max_message_bytes,
+                    timeout=self.limits.rpc_timeout,
+                ):
+                    chunks.append(item)
+                weights = weights_from_chunks(chunks)
+                self.node.counter.add("anchor", sum(t.numel() * t.element_size() for t in weights.values()))
+                return weights, int(chunks[-1].get("opt_step", 0))
+            except Exception as exc:
+                last = exc
+                swarm.avoid(peer.peer_id)
+        raise RuntimeError(f"stage {stage}: no peer gave its weights ({last})")
+
+    def _pass(self, ids: torch.Tensor, step: int) -> list[dict[str, torch.Tensor]]:
+        from ..stage import MicrobatchId
+
+        mb = MicrobatchId(step, 0)
+        for w in self.workers:
+            w.zero_grad()
+        x = ids
+        for w in self.workers[:-1]:
+            x = w.forward(mb, x)
+        self.workers[-1].forward(mb, x, labels=ids)
+        grad = None
+        for w in reversed(self.workers):
+            grad = w.backward(mb, grad)
+        out = []
+        for s, w in enumerate(self.workers):
+            params = dict(w.module.named_parameters())
+            out.append({n: params[n].grad.detach().float().clone() for n in self.filters[s]})
+            w.zero_grad()
+            w.step_stats.__init__()
+        return out
+
+    def _fold(self, grads: list[dict[str, torch.Tensor]], steps: list[int]) -> list[dict[str, tuple]]:
+        out = []
+        for s, g in enumerate(grads):
+            fs = {}
+            for name, mat in g.items():
+                f = self.filters[s][name]
+                f.update_prior(mat, steps[s])
+                fs[name] = f.factors()
+            out.append(fs)
+        return out
+
+    async def cycle(self) -> None:
+        node = self.node
+        steps = []
+        for s, w in enumerate(self.workers):
+            weights, opt_step = await self._fetch(s)
+            await asyncio.to_thread(w.module.load_state_dict, weights)
+            steps.append(opt_step)
+        ids = self.source.batch(self.cycles).to(node.opts.device)
+        grads = await asyncio.to_thread(self._pass, ids, max(steps))
+        factors = await asyncio.to_thread(self._fold, grads, steps)
+        ttl = max(300.0, node.opts.announce_period * 20)
+        for s, fs in enumerate(factors):
+            key = keys.prior_key(node.run_id, s)
+            for name, (u, sv, vh) in fs.items():
+                ub, sb, vb = (tensor_to_bytes(t.to(torch.float16)) for t in (u, sv, vh))
+                value = prior_value(kind="matrix", anchor_step=steps[s], name=name, rank=int(sv.numel()),
+                                    shape=[int(u.shape[0]), int(vh.shape[1])], u=ub, s=sb, vh=vb,
+                                    digest=factors_digest(ub, sb, vb))
+                if not await node.swarm.store_signed(key, name, value, ttl):
+                    logger.warning("prior %s of stage %d was not stored", name, s)
+                node.counter.add("anchor", len(ub) + len(sb) + len(vb))
+            header = prior_value(kind="header", anchor_step=steps[s], names=sorted(fs), final=True)
+            await node.swarm.store_signed(key, HEADER_NAME, header, ttl)
+        self.cycles += 1
+        self.prior_step = min(steps)
+        logger.info("anchor cycle %d: published priors of steps %s", self.cycles, steps)
+
+
+__all__ = ["ANCHOR_SEED_OFFSET", "AnchorRunner"]

@@ -1,0 +1,57 @@
+"""Stage claiming: pure functions over a snapshot of ``{run}_peers`` (Petals-style, no network).
+
+A joining fast peer takes the stage with the least serving capacity: the fewest fast peers
+(joining or online), ties broken by the lower summed throughput, then the lower stage index. A
+running peer moves when a stage is *starved* (no fast peer) while its own stage has at least two:
+of the peers of the crowded stage the one with the smallest peer id moves, so two peers never
+both jump.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..protocol.records import PeerRecord
+
+
+def _serving(peers: Sequence[PeerRecord], num_stages: int) -> list[list[PeerRecord]]:
+    out: list[list[PeerRecord]] = [[] for _ in range(num_stages)]
+    for p in peers:
+        if p.role in ("fast", "driver") and p.state in ("joining", "online") and 0 <= p.stage < num_stages:
+            out[p.stage].append(p)
+    return out
+
+
+def stage_loads(peers: Sequence[PeerRecord], num_stages: int) -> list[tuple[int, float]]:
+    """Per stage: (number of fast peers, summed throughput)."""
+    return [(len(ps), sum(p.throughput for p in ps)) for ps in _serving(peers, num_stages)]
+
+
+def choose_stage(peers: Sequence[PeerRecord], num_stages: int, exclude: str | None = None) -> int:
+    """The stage a joining peer should serve (``exclude``: its own peer id, when re-choosing)."""
+    if num_stages <= 0:
+        raise ValueError(f"num_stages must be > 0, got {num_stages}")
+    loads = stage_loads([p for p in peers if p.peer_id != exclude], num_stages)
+    return min(range(num_stages), key=lambda s: (loads[s][0], loads[s][1], s))
+
+
+def starved_stages(peers: Sequence[PeerRecord], num_stages: int) -> list[int]:
+    return [s for s, (n, _) in enumerate(stage_loads(peers, num_stages)) if n == 0]
+
+
+def should_rebalance(peers: Sequence[PeerRecord], num_stages: int, me: str) -> int | None:
+    """The stage peer ``me`` should move to, or None (it stays)."""
+    serving = _serving(peers, num_stages)
+    mine = [s for s, ps in enumerate(serving) if any(p.peer_id == me for p in ps)]
+    if not mine:
+        return None
+    stage = mine[0]
+    starved = [s for s, ps in enumerate(serving) if not ps]
+    if not starved or len(serving[stage]) < 2:
+        return None
+    if min(p.peer_id for p in serving[stage]) != me:
+        return None
+    return starved[0]
+
+
+__all__ = ["choose_stage", "should_rebalance", "stage_loads", "starved_stages"]

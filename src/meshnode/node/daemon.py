@@ -1,0 +1,435 @@
+"""``meshnode join``: the peer daemon.
+
+Life of a peer (docs/swarm.md):
+
+1. start the DHT (the run's schema validators + RSA signatures with this peer's identity key) and
+   replicate its P2P; read ``{run}_peers``;
+2. choose a stage (:func:`.claim.choose_stage`, or the stage of its own checkpoint, or ``--stage``),
+   announce ``joining``, load only that stage's layers;
+3. load the stage's current weights and optimizer state from an online peer of the stage (mid-run
+   join), else its own checkpoint (restart), else start from the pretrained weights;
+4. serve ``{run}.rpc_*``, announce ``online`` (re-announced before expiry, with throughput, steps,
+   loss, bytes per axis); a stage-0 peer is a *driver*: it reads its data shard and pushes
+   microbatches down the pipeline, one optimizer step at a time;
+5. fast peers poll ``{run}_prior_{stage}`` for anchor priors (:mod:`.priors`) and run DP rounds
+   with the other peers of their stage (:mod:`.dp`);
+6. on SIGINT / SIGTERM: announce ``offline``, stop taking new steps, let in-flight chains finish
+   (bounded), save a checkpoint, stop the DHT and its daemon.
+
+The anchor role is :mod:`.anchor`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..compression import ByteCounter
+from ..config import RunConfig
+from ..protocol import keys
+from ..protocol.limits import Limits
+from ..protocol.records import PeerRecord
+from ..protocol.servicer import StageServicer, stream_rpc
+from .claim import choose_stage
+from .host import StageHost
+from .status import swarm_health
+from .swarm import ChainError, SwarmClient, SwarmError, start_dht
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_NAME = "stage{stage}.pt"
+
+
+@dataclass(kw_only=True)
+class JoinOptions:
+    """Flags of ``meshnode join`` (the run config is separate)."""
+
+    initial_peers: list[str] = field(default_factory=list)
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    stage: int | None = None  # None = auto
+    role: str = "fast"  # fast | driver | anchor
+    device: str = "cpu"
+    identity: Path | None = None
+    checkpoint_dir: Path | None = None
+    cache_dir: Path | None = None
+    metrics_out: Path | None = None
+    ready_file: Path | None = None
+    announce_period: float = 3.0
+    refresh_period: float = 1.0
+    prior_period: float = 2.0
+    threads: int = 1
+    shutdown_grace: float = 30.0
+
+
+class SwarmNode:
+    """One peer of the swarm: a stage replica (fast / driver) or the anchor pipeline."""
+
+    def __init__(self, cfg: RunConfig, opts: JoinOptions):
+        self.cfg = cfg
+        self.opts = opts
+        self.run_id = cfg.run_id
+        self.num_stages = cfg.model.stages
+        self.identity = keys.load_or_create_identity(opts.identity)
+        self.stopping = asyncio.Event()
+        self.counter = ByteCounter()
+        self.swarm: SwarmClient | None = None
+        self.host: StageHost | None = None
+        self.servicer: StageServicer | None = None
+        self.record: PeerRecord | None = None
+        self.tasks: list[asyncio.Task] = []
+        self.stage = -1
+        self.role = opts.role
+        self.driver_step = 0
+        self.driver_tokens = 0
+        self.last_loss: float | None = None
+        self.prior_step: int | None = None
+        self.metrics = None
+
+    # ---- entry -----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        if self.opts.threads:
+            torch.set_num_threads(self.opts.threads)
+        identity_path = None
+        if self.opts.identity is not None:
+            identity_path = str(self.opts.identity) + ".p2p"
+            if not Path(identity_path).exists():
+                from hivemind.p2p import P2P
+
+                P2P.generate_identity(identity_path)
+        dht = await asyncio.to_thread(
+            start_dht, self.run_id, self.num_stages, initial_peers=self.opts.initial_peers,
+            host_maddrs=self.opts.host_maddrs, identity=self.identity, identity_path=identity_path,
+        )
+        self.swarm = SwarmClient(dht, self.run_id, self.identity)
+        try:
+            await self.swarm.start()
+            await self.swarm.refresh()
+            if self.role == "anchor":
+                from .anchor import AnchorRunner
+
+                await AnchorRunner(self).run()
+            else:
+                await self._run_stage()
+        finally:
+            await self._cleanup()
+
+    def _on_signal(self, sig: int) -> None:
+        logger.info("received %s: shutting down", signal.Signals(sig).name)
+        self.stopping.set()
+
+    async def _cleanup(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        for t in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self.host is not None and self.host.dp is not None:
+            self.host.dp.shutdown()
+        if self.swarm is not None:
+            if self.servicer is not None and self.swarm.p2p is not None:
+                await self.servicer.remove_p2p_handlers(self.swarm.p2p, self.run_id)
+            await self.swarm.shutdown()
+        if self.metrics is not None:
+            self.metrics.close()
+
+    # ---- a stage replica -------------------------------------------------------------------
+
+    def _pick_stage(self) -> tuple[int, Path | None]:
+        ckpt = None
+        if self.opts.checkpoint_dir is not None:
+            found = sorted(Path(self.opts.checkpoint_dir).glob("stage*.pt"))
+            if found:
+                ckpt = found[0]
+        if self.role == "driver":
+            return 0, ckpt if ckpt and ckpt.name == CHECKPOINT_NAME.format(stage=0) else None
+        if self.opts.stage is not None:
+            if not 0 <= self.opts.stage < self.num_stages:
+                raise SwarmError(f"--stage {self.opts.stage}: the run has stages 0..{self.num_stages - 1}")
+            want = CHECKPOINT_NAME.format(stage=self.opts.stage)
+            return self.opts.stage, ckpt if ckpt and ckpt.name == want else None
+        if ckpt is not None:
+            return int(ckpt.stem.removeprefix("stage")), ckpt
+        return choose_stage(self.swarm.peers, self.num_stages, exclude=self.swarm.peer_id), None
+
+    def _build_host(self, stage: int) -> StageHost:
+        from ..model import cut_model, load_model
+        from ..stage import StageWorker
+
+        model, _ = load_model(self.cfg.model, self.opts.cache_dir)
+        hidden, vocab = int(model.config.hidden_size), int(model.config.vocab_size)
+        module = cut_model(model, self.num_stages, self.cfg.model.boundaries, keep=[stage])[stage]
+        del model
+        module.to(self.opts.device)
+        worker = StageWorker(module, self.cfg, replica=0, counter=self.counter)
+        limits = Limits.from_config(self.cfg, hidden, vocab)
+        return StageHost(worker, self.cfg, limits, self.run_id, call_next=self._call_next, threads=self.opts.threads)
+
+    async def _call_next(self, stage: int, build) -> dict[str, Any]:
+        return await self.swarm.call_stage(stage, build, stall_timeout=60.0, is_stopping=self.stopping.is_set)
+
+    def _make_record(self, state: str) -> PeerRecord:
+        host = self.host
+        layers = list(host.worker.module.layer_range) if host is not None else []
+        return PeerRecord(
+            peer_id=self.swarm.peer_id, role=self.role, stage=self.stage, num_stages=self.num_stages, state=state,
+            layers=layers, throughput=float(host.throughput()) if host else 0.0, step=host.opt_step if host else 0,
+            driver_step=self.driver_step if self.role == "driver" else (host.driver_step if host else None),
+            tokens=self.driver_tokens if self.role == "driver" else (host.tokens if host else 0),
+            loss=_finite(self.last_loss if self.role == "driver" else (host.last_loss if host else None)),
+            bytes={k: v for k, v in self.counter.snapshot().items() if k != "total"},
+            prior_step=self.prior_step, dp_syncs=host.dp_syncs() if host else 0,
+        )
+
+    async def announce(self, state: str) -> None:
+        ttl = self.opts.announce_period * 4
+        ok = await self.swarm.announce(self._make_record(state), ttl)
+        if not ok:
+            logger.debug("announce (%s) was not stored", state)
+
+    async def _announce_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.opts.announce_period)
+            try:
+                await self.announce("online")
+            except Exception as exc:
+                logger.warning("announce failed: %r", exc)
+
+    async def _refresh_loop(self) -> None:
+        last_health: list[str] = []
+        while True:
+            await asyncio.sleep(self.opts.refresh_period)
+            try:
+                peers = await self.swarm.refresh()
+            except Exception as exc:
+                logger.warning("DHT refresh failed: %r", exc)
+                continue
+            health = swarm_health(peers, self.num_stages)
+            if health != last_health:
+                for line in health:
+                    (logger.info if line.startswith("ok") else logger.warning)("swarm: %s", line)
+                last_health = health
+
+    async def _load_initial_state(self, ckpt: Path | None) -> None:
+        host = self.host
+        loaded_step = -1
+        if ckpt is not None and ckpt.is_file():
+            blob = ckpt.read_bytes()
+            await host.run(host.load_state_blob, blob)
+            loaded_step = host.opt_step
+            meta = ckpt.with_suffix(".json")
+            if meta.is_file():
+                m = json.loads(meta.read_text())
+                self.counter.merge(ByteCounter.from_snapshot(m.get("bytes", {})))
+                self.driver_step = int(m.get("driver_step", 0))
+                self.driver_tokens = int(m.get("driver_tokens", 0))
+            logger.info("resumed stage %d from %s at step %d", self.stage, ckpt, loaded_step)
+        others = [p for p in self.swarm.candidates(self.stage) if p.step > max(loaded_step, 0)]
+        for peer in others[:3]:
+            try:
+                blob = await self._fetch_state(peer.peer_id)
+                await host.run(host.load_state_blob, blob)
+                logger.info("loaded stage %d state (step %d) from peer %s", self.stage, host.opt_step,
+                            peer.peer_id[-8:])
+                break
+            except Exception as exc:
+                logger.warning("could not load state from %s: %r", peer.peer_id[-8:], exc)
+        if self.role == "driver":
+            steps = [p.driver_step or 0 for p in self.swarm.peers if p.role == "driver" and p.state == "online"]
+            self.driver_step = max([self.driver_step, host.opt_step, *steps])
+
+    async def _fetch_state(self, peer_id: str) -> bytes:
+        from hivemind.p2p import PeerID
+
+        parts = []
+        limits = self.host.limits
+        async for item in stream_rpc(
+            self.swarm.p2p, PeerID.from_base58(peer_id), f"{self.run_id}.rpc_get_state", {"run": self.run_id},
+            max_bytes=limits.max_message_bytes, timeout=limits.rpc_timeout,
+        ):
+            data = item.get("data")
+            if not isinstance(data, bytes):
+                raise ValueError("state chunk without data")
+            parts.append(data)
+        return b"".join(parts)
+
+    async def _run_stage(self) -> None:
+        stage, ckpt = self._pick_stage()
+        self.stage = stage
+        if stage == 0:
+            self.role = "driver"
+        elif self.role == "driver":
+            self.role = "fast"
+        logger.info("peer %s joins run %s as %s of stage %d", self.swarm.peer_id, self.run_id, self.role, stage)
+        await self.announce("joining")
+        self.host = await asyncio.to_thread(self._build_host, stage)
+        self.swarm.limits = self.host.limits
+        if self.cfg.dp.enabled:
+            from .dp import SwarmDP
+
+            self.host.dp = SwarmDP(self.host, self.swarm.dht, self.run_id, self.counter,
+                                   partners=lambda: len(self.swarm.candidates(self.stage)))
+            self.host.after_step_hooks.append(self.host.dp.after_step)
+        await self._load_initial_state(ckpt)
+        self.servicer = StageServicer(self.host, self.host.limits.max_message_bytes)
+        await self.servicer.add_p2p_handlers(self.swarm.p2p, self.run_id)
+        await self.announce("online")
+        self.tasks.append(asyncio.create_task(self._announce_loop()))
+        self.tasks.append(asyncio.create_task(self._refresh_loop()))
+        if self.cfg.anchor.enabled:
+            from .priors import PriorReader
+
+            reader = PriorReader(self)
+            self.tasks.append(asyncio.create_task(reader.loop()))
+        if self.opts.metrics_out is not None:
+            self.metrics = open(self.opts.metrics_out, "a")  # noqa: SIM115 (closed in shutdown)
+        self._write_ready()
+        driver = asyncio.create_task(self._drive()) if self.role == "driver" else None
+        await self.stopping.wait()
+        await self._graceful_stop(driver)
+
+    def _write_ready(self) -> None:
+        if self.opts.ready_file is not None:
+            tmp = Path(str(self.opts.ready_file) + ".tmp")
+            tmp.write_text(json.dumps({"peer_id": self.swarm.peer_id, "stage": self.stage, "role": self.role,
+                                       "maddrs": [str(m) for m in self.swarm.dht.get_visible_maddrs()]}))
+            tmp.rename(self.opts.ready_file)
+
+    async def _graceful_stop(self, driver: asyncio.Task | None) -> None:
+        try:
+            await self.announce("offline")
+        except Exception as exc:
+            logger.warning("could not announce offline: %r", exc)
+        if driver is not None:
+            try:
+                await asyncio.wait_for(driver, self.opts.shutdown_grace)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                driver.cancel()
+            except Exception as exc:
+                logger.warning("driver stopped with %r", exc)
+        if not await self.host.wait_idle(self.opts.shutdown_grace):
+            logger.warning("in-flight microbatches did not finish within %.0fs", self.opts.shutdown_grace)
+        if self.opts.checkpoint_dir is not None:
+            await self.save_checkpoint(Path(self.opts.checkpoint_dir))
+
+    async def save_checkpoint(self, directory: Path) -> Path:
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / CHECKPOINT_NAME.format(stage=self.stage)
+        blob = await self.host.run(self.host._state_blob)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(blob)
+        tmp.rename(path)
+        path.with_suffix(".json").write_text(json.dumps({
+            "run_id": self.run_id, "stage": self.stage, "opt_step": self.host.opt_step,
+            "driver_step": self.driver_step, "driver_tokens": self.driver_tokens, "bytes": self.counter.snapshot(),
+        }))
+        logger.info("checkpoint of stage %d at step %d: %s", self.stage, self.host.opt_step, path)
+        return path
+
+    # ---- the driver ------------------------------------------------------------------------
+
+    async def _drive(self) -> None:
+        from ..data import BatchSource, make_tokenizer, prepare_corpus
+
+        cfg = self.cfg
+        tok = make_tokenizer(cfg.model, None if cfg.model.tokenizer == "bytes" else _hf_tokenizer(cfg, self.opts))
+        corpus = await asyncio.to_thread(prepare_corpus, cfg.data, tok, self.opts.cache_dir)
+        replicas = cfg.dp.replicas if cfg.dp.enabled or cfg.dp.replicas > 1 else 1
+        drivers = sorted(
+            p.peer_id for p in self.swarm.peers if p.role == "driver" and p.state in ("online", "joining")
+        )
+        rank = drivers.index(self.swarm.peer_id) % replicas if self.swarm.peer_id in drivers else 0
+        source = BatchSource(corpus.train, cfg.train.batch_size, shard=rank, num_shards=replicas, seed=cfg.train.seed)
+        M = cfg.train.microbatches
+        start = time.monotonic()
+        logger.info("driver: shard %d of %d, from step %d to %d", rank, replicas, self.driver_step, cfg.train.steps)
+        while self.driver_step < cfg.train.steps and not self.stopping.is_set():
+            step = self.driver_step
+            pending = list(range(M))
+            losses: dict[int, float] = {}
+            stalled_since = None
+            while pending and not self.stopping.is_set():
+                results = await asyncio.gather(
+                    *(self._microbatch(step, m, source.batch(step * M + m)) for m in pending), return_exceptions=True
+                )
+                for m, r in zip(list(pending), results):
+                    if isinstance(r, BaseException):
+                        logger.warning("driver step %d microbatch %d failed: %s", step, m, r)
+                    else:
+                        losses[m] = r
+                        pending.remove(m)
+                if pending:
+                    stalled_since = stalled_since or time.monotonic()
+                    await asyncio.sleep(1.0)  # the pipeline is broken: wait for peers, then retry these microbatches
+            if pending:
+                break
+            loss = sum(losses.values()) / len(losses)
+            self.last_loss = loss
+            self.driver_step = step + 1
+            self.driver_tokens += M * cfg.train.batch_size * cfg.data.seq_len
+            rec = {"step": step, "loss": loss, "tokens": self.driver_tokens,
+                   "wall_s": round(time.monotonic() - start, 3), "bytes": self.counter.snapshot()}
+            if stalled_since is not None:
+                rec["stall_s"] = round(time.monotonic() - stalled_since, 3)
+            if self.metrics is not None:
+                self.metrics.write(json.dumps(rec) + "\n")
+                self.metrics.flush()
+            if (step + 1) % 10 == 0 or step + 1 == cfg.train.steps:
+                logger.info("driver step %d/%d loss %.4f", step + 1, cfg.train.steps, loss)
+        if self.driver_step >= cfg.train.steps:
+            logger.info("driver: reached train.steps = %d", cfg.train.steps)
+            await self.announce("online")
+
+    async def _microbatch(self, step: int, m: int, ids: torch.Tensor) -> float:
+        import random
+
+        host = self.host
+        ids = ids.to(self.opts.device)
+        try:
+            _, loss = await host.process(driver=self.swarm.peer_id, step=step, mb=m, attempt=random.getrandbits(31),
+                                         inputs=ids, labels=ids)
+        except ChainError:
+            raise
+        return loss
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _hf_tokenizer(cfg: RunConfig, opts: JoinOptions):
+    from ..model import load_model
+
+    _, tok = load_model(cfg.model, opts.cache_dir)
+    return tok
+
+
+async def join(cfg: RunConfig, opts: JoinOptions) -> None:
+    """Run one peer until SIGINT / SIGTERM (or, for a driver-only run, forever after training)."""
+    await SwarmNode(cfg, opts).run()
+
+
+def run_join(cfg: RunConfig, opts: JoinOptions) -> None:
+    """Entry point of ``meshnode join``: the asyncio work on uvloop."""
+    try:
+        import uvloop
+
+        uvloop.run(join(cfg, opts))
+    except ImportError:  # pragma: no cover (windows)
+        asyncio.run(join(cfg, opts))
+
+
+__all__ = ["JoinOptions", "SwarmNode", "join", "run_join"]

@@ -1,0 +1,247 @@
+"""``meshnode demo``: a whole swarm on 127.0.0.1, one command.
+
+The demo process hosts the bootstrap DHT peer itself, then starts every other peer as a separate
+``meshnode join`` process: one (or ``--dp-peers``) fast peer per stage, stage 0 being the driver,
+plus one anchor peer that holds all stages. It shows live progress from the DHT, waits until the
+driver reached ``train.steps``, fetches every stage's weights from its peers (as ``meshnode export``
+does) to measure the held-out loss, prints the status table, and stops every process it started,
+by pid (also on Ctrl+C).
+
+Methods: ``dense`` (no compression, no anchor) and ``m95`` (mask p = 0.95 at every boundary, the
+anchor prior, PowerSGD-compressed DP when a stage has several peers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from ..config import load_config
+from ..protocol import keys
+from .inspect import heldout_loss_of
+from .procs import PeerProcess, start_peer
+from .status import bytes_per_token, driver_step, render_table, status_json
+from .swarm import SwarmClient, SwarmError, start_dht
+
+logger = logging.getLogger(__name__)
+
+TINY_TOML = """# meshnode demo --tiny: a random 6-layer Llama, 3 stages, byte-level tokens, a CPython slice.
+name = "demo-tiny"
+
+[model]
+source = "tiny"
+tokenizer = "bytes"
+stages = 3
+tiny_layers = 6
+tiny_hidden = 64
+tiny_heads = 4
+tiny_kv_heads = 2
+tiny_intermediate = 128
+
+[data]
+source = "cpython"
+max_docs = 150
+seq_len = 128
+
+[train]
+batch_size = 8
+steps = 60
+lr = 3e-3
+warmup_steps = 5
+min_lr_ratio = 0.1
+eval_batches = 4
+"""
+
+SMOLLM2_TOML = """# meshnode demo: SmolLM2-135M-Instruct cut into 3 stages, adapted on the CPython standard library.
+name = "demo-smollm2"
+
+[model]
+source = "smollm2"
+stages = 3
+
+[data]
+source = "cpython"
+max_docs = 400
+seq_len = 256
+
+[train]
+batch_size = 4
+steps = 40
+lr = 1e-4
+warmup_steps = 10
+min_lr_ratio = 0.1
+eval_batches = 8
+"""
+
+
+def method_overrides(method: str, *, tiny: bool, dp_peers: int, anchor: bool, anchor_key: str) -> list[str]:
+    if method == "dense":
+        out = ["mask.ratio=0.0"]
+        if dp_peers > 1:
+            out += ["dp.enabled=true", f"dp.replicas={dp_peers}", "dp.inner_steps=10", "dp.rank=4" if tiny else
+                    "dp.rank=32"]
+        return out
+    out = ["mask.ratio=0.95"]
+    if anchor:
+        out += ["anchor.enabled=true", f"anchor.period={5 if tiny else 10}", "anchor.max_staleness=30",
+                f"spectral.rank={8 if tiny else 16}", f"anchor.allowed_keys=[{json.dumps(anchor_key)}]"]
+    if dp_peers > 1:
+        out += ["dp.enabled=true", f"dp.replicas={dp_peers}", "dp.inner_steps=10", "dp.rank=4" if tiny else
+                "dp.rank=32"]
+    return out
+
+
+@dataclass(kw_only=True)
+class DemoOptions:
+    tiny: bool = False
+    steps: int | None = None
+    method: str = "m95"
+    config: Path | None = None
+    overrides: list[str] = field(default_factory=list)
+    metrics_out: Path | None = None
+    workdir: Path | None = None
+    dp_peers: int = 1
+    anchor: bool = True
+    cache_dir: Path | None = None
+    ready_timeout: float = 300.0
+    train_timeout: float = 1800.0
+
+
+def run_demo(opts: DemoOptions) -> dict[str, Any]:
+    console = Console(stderr=True)
+    own_tmp = opts.workdir is None
+    workdir = Path(tempfile.mkdtemp(prefix="meshnode-demo-")) if own_tmp else Path(opts.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    anchor_identity = workdir / "anchor.key"
+    anchor_key = keys.public_key_string(keys.load_or_create_identity(anchor_identity))
+    if opts.config is not None:
+        base = Path(opts.config)
+    else:
+        base = workdir / "run.toml"
+        base.write_text(TINY_TOML if opts.tiny else SMOLLM2_TOML)
+    overrides = method_overrides(opts.method, tiny=opts.tiny, dp_peers=opts.dp_peers,
+                                 anchor=opts.anchor and opts.method != "dense", anchor_key=anchor_key)
+    overrides += list(opts.overrides)
+    if opts.steps is not None:
+        overrides.append(f"train.steps={opts.steps}")
+    cfg = load_config(base, overrides)
+    console.print(f"[bold]meshnode demo[/]: run {cfg.run_id}, {cfg.model.stages} stages x {opts.dp_peers} fast "
+                  f"peer(s){' + 1 anchor' if cfg.anchor.enabled else ''}, {cfg.train.steps} steps, method "
+                  f"{opts.method}; logs in {workdir}")
+    console.print("held-out loss before: ...", end="\r")
+    before = heldout_loss_of(cfg, None, opts.cache_dir)
+    console.print(f"held-out loss before: {before:.4f}")
+
+    identity = keys.load_or_create_identity(None)
+    dht = start_dht(cfg.run_id, cfg.model.stages, initial_peers=[], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                    identity=identity)
+    procs: list[PeerProcess] = []
+    try:
+        bootstrap = [str(m) for m in dht.get_visible_maddrs()]
+        console.print(f"bootstrap peer: {bootstrap[0]}")
+        common = dict(initial_peers=bootstrap, cache_dir=opts.cache_dir)
+        def stage_peers(s: int) -> list[PeerProcess]:
+            out = []
+            for r in range(opts.dp_peers):
+                name = f"stage{s}" + (f"-{r}" if opts.dp_peers > 1 else "")
+                extra = ["--stage", str(s)]
+                if s == 0:
+                    extra += ["--metrics-out", str(workdir / f"{name}.metrics.jsonl")]
+                out.append(start_peer(name, workdir, base, overrides, extra=extra, **common))
+            return out
+
+        # the drivers (stage 0) start last, so training begins with the whole pipeline and the anchor up
+        for s in range(1, cfg.model.stages):
+            procs += stage_peers(s)
+        if cfg.anchor.enabled:
+            procs.append(start_peer("anchor", workdir, base, overrides, extra=[
+                "--role", "anchor", "--identity", str(anchor_identity)], **common))
+        for p in procs:
+            p.wait_ready(opts.ready_timeout)
+        drivers = stage_peers(0)
+        procs += drivers
+        for p in drivers:
+            p.wait_ready(opts.ready_timeout)
+        console.print(f"{len(procs)} peers online; training")
+        result = asyncio.run(_watch(dht, identity, cfg, procs, console, opts, workdir))
+        result["heldout_loss_before"] = before
+        after = heldout_loss_of(cfg, result.pop("weights"), opts.cache_dir)
+        result["heldout_loss_after"] = after
+        console.print(render_table(result.pop("status")))
+        console.print(f"held-out loss: before {before:.4f} -> after {after:.4f}")
+        bpt = result["bytes_per_token"]
+        console.print("bytes per trained token: " + ", ".join(f"{k} {v:.1f}" for k, v in bpt.items()))
+        if opts.metrics_out is not None:
+            Path(opts.metrics_out).write_text(json.dumps(result, indent=1))
+        return result
+    finally:
+        for p in procs:
+            p.stop(timeout=20)
+        dht.shutdown()
+        if own_tmp and opts.metrics_out is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def _watch(dht, identity, cfg, procs, console: Console, opts: DemoOptions, workdir: Path) -> dict[str, Any]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .inspect import SwarmReader
+
+    client = SwarmClient(dht, cfg.run_id, identity)
+    deadline = time.monotonic() + opts.train_timeout
+    with Progress(TextColumn("[bold]swarm"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                  TimeElapsedColumn(), console=console, disable=not console.is_terminal) as progress:
+        task = progress.add_task("train", total=cfg.train.steps, info="")
+        last_print = -1
+        while True:
+            peers = await client.refresh()
+            step = driver_step(peers)
+            loss = next((p.loss for p in peers if p.role == "driver" and p.loss is not None), None)
+            info = f"loss {loss:.4f}" if loss is not None else ""
+            progress.update(task, completed=step, info=info)
+            if not console.is_terminal and step // 10 != last_print // 10:
+                console.print(f"step {step}/{cfg.train.steps} {info}")
+                last_print = step
+            if step >= cfg.train.steps:
+                break
+            dead = [p.name for p in procs if not p.alive()]
+            if dead:
+                raise SwarmError(f"peer(s) {', '.join(dead)} exited: see their logs in {workdir}")
+            if time.monotonic() > deadline:
+                raise SwarmError(f"training did not finish within {opts.train_timeout:.0f}s")
+            await asyncio.sleep(1.0)
+    finished = time.time()
+    # wait until every live peer announced after the end (final byte counts)
+    settle = time.monotonic() + 20
+    while time.monotonic() < settle:
+        peers = await client.refresh()
+        if all(p.updated >= finished for p in peers if p.state == "online"):
+            break
+        await asyncio.sleep(0.5)
+    status = status_json(peers, cfg.run_id, cfg.model.stages)
+    reader = SwarmReader.__new__(SwarmReader)  # reuse this DHT for the weight fetch
+    reader.run_id, reader.dht, reader.client = cfg.run_id, dht, client
+    weights, meta = await reader._stage_weights(cfg.model.stages, 120.0)
+    metrics = []
+    for path in sorted(workdir.glob("stage0*.metrics.jsonl")):
+        metrics += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    wall = max((m["wall_s"] for m in metrics), default=0.0)
+    tokens = sum(p.tokens for p in peers if p.role == "driver")
+    return {
+        "run": cfg.run_id, "method": opts.method, "steps": cfg.train.steps, "tokens": tokens,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0, "bytes_per_token": bytes_per_token(peers),
+        "peers": len([p for p in peers if p.state == "online"]), "weights": weights, "status": status,
+        "weights_from": meta, "losses": [m["loss"] for m in sorted(metrics, key=lambda m: m["step"])],
+    }
+
+
+__all__ = ["DemoOptions", "method_overrides", "run_demo"]

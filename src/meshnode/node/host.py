@@ -1,0 +1,364 @@
+"""The stage host: one :class:`StageWorker` behind the swarm's RPCs, with its step clock and replay guard.
+
+The fast circuit is a *nested chain* (docs/swarm.md): stage k runs its forward, calls ``rpc_forward``
+on a peer of stage k+1 (chosen by :mod:`.routing`) and awaits the reply, which is the gradient of its
+output; it then runs its backward and replies upstream with the gradient of its input (the loss
+passes through). The last stage computes the loss and starts the backward. If the downstream call
+fails, the same payload is re-sent to another peer of stage k+1; nothing of this stage's forward is
+redone.
+
+Torch work runs on one thread per host (a single-worker executor), so the worker's compute and its
+in-flight table are never touched concurrently; the asyncio loop only moves bytes.
+
+Step clock: a replica steps its optimizer after ``train.microbatches`` completed backward passes,
+with the learning rate ``lr_at`` of its own step counter, and only when no microbatch is in flight
+on it (an in-place update under a live autograd graph would corrupt that graph). While a step is due,
+new forwards wait at a gate. With one driver and one peer per stage this is exactly the in-process
+mesh's schedule, so the losses agree.
+
+Replay guard: every (driver, step, microbatch, attempt) is accepted once; a request more than
+``limits.replay_window`` driver steps behind the newest one seen from that driver is refused as
+stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ..compression import EncodedPayload
+from ..config import RunConfig
+from ..optim import lr_at
+from ..protocol.limits import WEIGHT_CHUNK_BYTES, Limits
+from ..protocol.messages import (
+    WireError,
+    forward_request,
+    parse_backward,
+    parse_forward,
+    payload_from_wire,
+    reply_ok,
+    tensor_from_bytes,
+    tensor_to_bytes,
+)
+from ..stage import MicrobatchId, StageError, StageWorker
+
+logger = logging.getLogger(__name__)
+
+# (stage, request builder for an attempt) -> reply; set by the daemon (routing + retries)
+NextCall = Callable[[int, Callable[[int], dict[str, Any]]], Awaitable[dict[str, Any]]]
+
+
+class BusyError(WireError):
+    """The replica is stepping (e.g. in a DP round); the caller should try another peer or retry shortly."""
+
+
+class StageHost:
+    """Serves one stage replica: forward/backward chains, optimizer steps, weights and state for peers."""
+
+    def __init__(
+        self, worker: StageWorker, cfg: RunConfig, limits: Limits, run_id: str, *, call_next: NextCall | None = None,
+        threads: int = 1,
+    ):
+        self.worker = worker
+        self.cfg = cfg
+        self.limits = limits
+        self.run_id = run_id
+        self.stage = worker.index
+        self.num_stages = worker.num_stages
+        self.call_next = call_next
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.stage}")
+        self.opt_step = 0  # optimizer steps taken by this replica
+        self.driver_step = 0  # newest driver step seen
+        self.tokens = 0  # tokens this replica trained on (forward + backward completed)
+        self.last_loss: float | None = None
+        self.loss_history: deque[float] = deque(maxlen=20)
+        self.dp = None  # SwarmDP, set by the daemon
+        self.after_step_hooks: list[Callable[[int], Awaitable[None]]] = []
+        self._cond = asyncio.Condition()
+        self._active = 0
+        self._done = 0
+        self._step_due = False
+        self._stepping = False
+        self._mb_locks: dict[tuple[int, int], asyncio.Lock] = {}
+        self._seen: dict[str, tuple[int, set]] = {}
+        self._step_task: asyncio.Task | None = None
+        self.busy_timeout = 1.0  # a forward that finds this replica stepping longer than this is told "busy"
+        self._window: deque[tuple[float, int]] = deque()
+        self.refused = 0
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    async def run(self, fn, *args):
+        """Run torch work on this host's thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def throughput(self, horizon: float = 30.0) -> float:
+        now = time.monotonic()
+        while self._window and self._window[0][0] < now - horizon:
+            self._window.popleft()
+        if not self._window:
+            return 0.0
+        span = max(now - self._window[0][0], 1.0)
+        return sum(n for _, n in self._window) / span
+
+    def _check_replay(self, driver: str, step: int, mb: int, attempt: int) -> None:
+        newest, seen = self._seen.get(driver, (-1, set()))
+        if step < newest - self.limits.replay_window:
+            raise WireError(f"stale microbatch: step {step}, newest from this driver {newest}")
+        key = (step, mb, attempt)
+        if key in seen:
+            raise WireError(f"replayed microbatch id (step {step}, mb {mb}, attempt {attempt})")
+        if step > newest:
+            newest = step
+            seen = {k for k in seen if k[0] >= newest - self.limits.replay_window}
+        seen.add(key)
+        self._seen[driver] = (newest, seen)
+        if len(self._seen) > 1024:  # bound the table: forget the least recent drivers
+            for d in sorted(self._seen, key=lambda d: self._seen[d][0])[:512]:
+                self._seen.pop(d, None)
+
+    # ---- the gate and the step clock -------------------------------------------------------
+
+    async def _enter(self) -> None:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._step_due and not self._stepping)
+            self._active += 1
+
+    async def _leave(self, completed: bool) -> None:
+        async with self._cond:
+            self._active -= 1
+            if completed:
+                self._done += 1
+                if self._done >= self.cfg.train.microbatches:
+                    self._step_due = True
+            if self._step_due and self._active == 0 and not self._stepping:
+                self._stepping = True
+                # after the reply: a DP round may wait for partners, and they may need our upstream's next step
+                self._step_task = asyncio.create_task(self._run_step())
+
+    async def _run_step(self) -> None:
+        try:
+            await self._step()
+        except Exception as exc:
+            logger.error("optimizer step %d failed: %r", self.opt_step, exc, exc_info=True)
+        finally:
+            async with self._cond:
+                self._stepping = False
+                self._step_due = False
+                self._done = 0
+                self._cond.notify_all()
+
+    def gate_closed(self) -> bool:
+        return self._step_due or self._stepping
+
+    async def wait_gate(self, timeout: float) -> bool:
+        async def opened():
+            async with self._cond:
+                await self._cond.wait_for(lambda: not self._step_due and not self._stepping)
+
+        try:
+            await asyncio.wait_for(opened(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def _step(self) -> None:
+        t = self.cfg.train
+        lr = lr_at(self.opt_step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
+        stats = await self.run(self.worker.step, self.opt_step, lr)
+        self.opt_step += 1
+        if self.worker.is_last:
+            self.last_loss = float(stats["loss"])
+            self.loss_history.append(self.last_loss)
+        for hook in self.after_step_hooks:
+            try:
+                await hook(self.opt_step)
+            except Exception as exc:  # a failed DP round must not stop the fast circuit
+                logger.warning("after-step hook failed at step %d: %r", self.opt_step, exc)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until nothing is in flight and no step is running (shutdown); False on timeout."""
+        async def idle():
+            async with self._cond:
+                await self._cond.wait_for(lambda: self._active == 0 and not self._stepping)
+
+        try:
+            await asyncio.wait_for(idle(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    # ---- the chain -------------------------------------------------------------------------
+
+    async def process(
+        self, *, driver: str, step: int, mb: int, attempt: int, inputs: torch.Tensor | EncodedPayload,
+        labels: torch.Tensor,
+    ) -> tuple[EncodedPayload | None, float]:
+        """Forward this microbatch, send it on (or compute the loss), backward; returns (input grad, loss)."""
+        await self._enter()
+        completed = False
+        key = (step, mb)
+        lock = self._mb_locks.setdefault(key, asyncio.Lock())
+        try:
+            async with lock:  # two drivers may use the same (step, mb): one at a time on this worker
+                mbid = MicrobatchId(step, mb)
+                out = await self.run(self.worker.forward, mbid, inputs, labels if self.worker.is_last else None)
+                try:
+                    if self.worker.is_last:
+                        loss = float(out)
+                        grad_out = None
+                    else:
+                        if self.call_next is None:
+                            raise StageError("this host has no route to the next stage")
+                        vocab = self.limits.vocab
+
+                        def build(attempt_next: int, out=out) -> dict[str, Any]:
+                            return forward_request(
+                                run=self.run_id, driver=driver, step=step, mb=mb, attempt=attempt_next,
+                                boundary=self.stage, mask_version=self.cfg.mask.version, payload=out, labels=labels,
+                                vocab=vocab,
+                            )
+
+                        reply = await self.call_next(self.stage + 1, build)
+                        loss = float(reply["loss"])
+                        grad_out = payload_from_wire(reply.get("payload"), self.limits, "grad")
+                    grad_in = await self.run(self.worker.backward, mbid, grad_out)
+                except BaseException:
+                    await self.run(self.worker.discard, mbid)
+                    raise
+            completed = True
+            ntok = int(labels.numel())
+            self.tokens += ntok
+            self._window.append((time.monotonic(), ntok))
+            return grad_in, loss
+        finally:
+            if not lock.locked():
+                self._mb_locks.pop(key, None)
+            await self._leave(completed)
+
+    # ---- the StageBackend surface ----------------------------------------------------------
+
+    async def forward(self, request: dict[str, Any]) -> dict[str, Any]:
+        if self.stage == 0:
+            raise WireError("stage 0 takes no forward requests (it is fed by its driver)")
+        req = parse_forward(request, self.limits, run=self.run_id, stage=self.stage,
+                            mask_version=self.cfg.mask.version)
+        self._check_replay(req.driver, req.step, req.mb, req.attempt)
+        if self.gate_closed() and not await self.wait_gate(self.busy_timeout):
+            raise BusyError("busy: this replica is taking a step (DP sync); try another peer")
+        self.driver_step = max(self.driver_step, req.step)
+        try:
+            grad_in, loss = await self.process(
+                driver=req.driver, step=req.step, mb=req.mb, attempt=req.attempt, inputs=req.payload,
+                labels=req.labels,
+            )
+        except StageError as exc:
+            raise WireError(str(exc)) from None
+        return reply_ok(loss=loss, payload=grad_in)
+
+    async def backward(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Gradients travel in ``rpc_forward`` replies (nested chain); a stand-alone backward is validated and
+        refused unless this peer holds the microbatch's forward."""
+        req = parse_backward(request, self.limits, run=self.run_id, stage=self.stage)
+        self._check_replay(req.driver, req.step, req.mb, req.attempt)
+        mbid = MicrobatchId(req.step, req.mb)
+        if mbid not in self.worker.in_flight:
+            raise WireError(f"no forward of microbatch (step {req.step}, mb {req.mb}) is held by this peer")
+        raise WireError("microbatch is owned by a running chain; its gradient comes in the rpc_forward reply")
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "run": self.run_id, "stage": self.stage, "num_stages": self.num_stages, "opt_step": self.opt_step,
+            "driver_step": self.driver_step, "tokens": self.tokens, "bytes": self.worker.counter.snapshot(),
+            "loss": self.last_loss, "refused": self.refused,
+        }
+
+    # ---- weights and state for peers -------------------------------------------------------
+
+    def _weights_snapshot(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.worker.module.state_dict().items()}
+
+    async def weights_stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The stage's current weights as chunks of ``{name: [dtype, shape, bytes]}`` (float32, or bf16 on request)."""
+        if request.get("run") != self.run_id:
+            raise WireError(f"weights request for run {request.get('run')!r}")
+        half = request.get("dtype") == "bfloat16"
+        async with self._cond:  # between steps: a consistent snapshot
+            await self._cond.wait_for(lambda: not self._stepping)
+            weights = await self.run(self._weights_snapshot)
+            meta = {"opt_step": self.opt_step, "driver_step": self.driver_step, "dp_syncs": self.dp_syncs()}
+        chunk: dict[str, Any] = {}
+        size = 0
+        items = list(weights.items())
+        for i, (name, t) in enumerate(items):
+            t = t.to(torch.bfloat16) if half and t.is_floating_point() else t
+            data = tensor_to_bytes(t)
+            chunk[name] = [str(t.dtype).removeprefix("torch."), list(t.shape), data]
+            size += len(data)
+            if size >= WEIGHT_CHUNK_BYTES // 2 or i == len(items) - 1:
+                yield {"ok": True, "tensors": chunk, "last": i == len(items) - 1, **meta}
+                chunk, size = {}, 0
+
+    def dp_syncs(self) -> int:
+        return 0 if self.dp is None else self.dp.syncs
+
+    def _state_blob(self) -> bytes:
+        buf = io.BytesIO()
+        state = {
+            "weights": self._weights_snapshot(), "optimizer": self.worker.optimizer.state_dict(),
+            "opt_step": self.opt_step, "driver_step": self.driver_step,
+            "dp": None if self.dp is None else self.dp.state_dict(),
+        }
+        torch.save(state, buf)
+        return buf.getvalue()
+
+    async def state_stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Weights + optimizer + DP state (torch.save bytes, loaded with ``weights_only=True``) in chunks."""
+        if request.get("run") != self.run_id:
+            raise WireError(f"state request for run {request.get('run')!r}")
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._stepping)
+            blob = await self.run(self._state_blob)
+        n = max(1, -(-len(blob) // WEIGHT_CHUNK_BYTES))
+        for i in range(n):
+            yield {"ok": True, "data": blob[i * WEIGHT_CHUNK_BYTES : (i + 1) * WEIGHT_CHUNK_BYTES], "last": i == n - 1,
+                   "opt_step": self.opt_step}
+
+    def load_state_blob(self, blob: bytes) -> None:
+        state = torch.load(io.BytesIO(blob), weights_only=True)
+        self.worker.module.load_state_dict(state["weights"])
+        self.worker.optimizer.load_state_dict(state["optimizer"])
+        self.opt_step = int(state["opt_step"])
+        self.driver_step = int(state["driver_step"])
+        if self.dp is not None and state.get("dp") is not None:
+            self.dp.load_state_dict(state["dp"])
+
+
+def weights_from_chunks(chunks: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Rebuild a state dict from :meth:`StageHost.weights_stream` chunks (dtype/shape/length checked)."""
+    out = {}
+    for chunk in chunks:
+        tensors = chunk.get("tensors")
+        if not isinstance(tensors, dict):
+            raise WireError("weight chunk without tensors")
+        for name, spec in tensors.items():
+            if not isinstance(spec, list) or len(spec) != 3:
+                raise WireError(f"weight {name!r}: malformed entry")
+            dtype, shape, data = spec
+            if isinstance(shape, list) and len(shape) == 0:  # scalars
+                shape = [1]
+                out[name] = tensor_from_bytes(data, dtype, shape).reshape(())
+            else:
+                out[name] = tensor_from_bytes(data, dtype, shape)
+    return out
+
+
+__all__ = ["StageHost", "weights_from_chunks"]

@@ -1,0 +1,146 @@
+"""Fast peers read the anchor prior of their stage from ``{run}_prior_{stage}`` and feed the spectral optimizer.
+
+An anchor publishes, per stage and cycle, one signed value per targeted matrix (fp16 factors ``U (m, r)``,
+``s (r,)``, ``Vh (r, n)`` and a digest) and a header naming the cycle's step and its matrices. The
+RSA signature validator of the DHT already guarantees that a value under a subkey holding key K was
+written by K; here a prior is accepted only when K is listed in ``anchor.allowed_keys``, the header
+and every matrix agree on the step, every shape matches the parameter, every value is finite, the
+digest matches, and the prior is not older than ``anchor.max_staleness`` steps of this replica.
+Anything else is ignored and logged (once per cause and anchor step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ..optim import PriorError
+from ..protocol import keys
+from ..protocol.messages import WireError, tensor_from_bytes
+from ..protocol.records import PriorRecordSchema, factors_digest
+
+logger = logging.getLogger(__name__)
+
+HEADER_NAME = "__header__"
+
+
+def split_prior_subkey(subkey: Any) -> tuple[str | None, str | None]:
+    """``(owner public key, matrix name)`` of a prior subkey ``[owner:KEY]/NAME``."""
+    owner = keys.owner_of(subkey)
+    if owner is None or b"]/" not in subkey:
+        return None, None
+    return owner, subkey.split(b"]/", 1)[1].decode(errors="replace")
+
+
+def validate_prior(
+    entries: dict[str, dict], shapes: dict[str, tuple[int, int]]
+) -> tuple[int, dict[str, tuple[Any, Any, Any]]]:
+    """Check one anchor's entries for one stage; return ``(anchor_step, {name: (U, s, Vh)})`` or raise ValueError."""
+    header = entries.get(HEADER_NAME)
+    if header is None or header.get("kind") != "header":
+        raise ValueError("no header: the cycle is incomplete")
+    step = header["anchor_step"]
+    names = header.get("names") or []
+    if set(names) != set(shapes):
+        raise ValueError(f"header names {len(names)} matrices, this stage targets {len(shapes)}")
+    out = {}
+    for name in names:
+        e = entries.get(name)
+        if e is None or e.get("kind") != "matrix" or e.get("anchor_step") != step:
+            raise ValueError(f"{name}: missing or from another cycle")
+        m, n = shapes[name]
+        r = e.get("rank")
+        if e.get("shape") != [m, n] or not isinstance(r, int) or not 1 <= r <= min(m, n):
+            raise ValueError(f"{name}: shape {e.get('shape')} rank {r} does not fit the parameter ({m}, {n})")
+        if factors_digest(e["u"] or b"", e["s"] or b"", e["vh"] or b"") != e.get("digest"):
+            raise ValueError(f"{name}: digest mismatch")
+        try:
+            u = tensor_from_bytes(e["u"], "float16", [m, r]).float()
+            s = tensor_from_bytes(e["s"], "float16", [r]).float()
+            vh = tensor_from_bytes(e["vh"], "float16", [r, n]).float()
+        except WireError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        if bool((s < 0).any()):
+            raise ValueError(f"{name}: negative singular values")
+        out[name] = (u, s, vh)
+    return step, out
+
+
+class PriorReader:
+    """Polls this stage's prior key and pushes accepted priors into the worker's optimizer."""
+
+    def __init__(self, node):
+        self.node = node
+        self.allowed = set(node.cfg.anchor.allowed_keys)
+        self.applied_step = -1
+        self.ignored = 0
+        self._logged: set[tuple[str, int, str]] = set()
+        opt = node.host.worker.optimizer
+        self.shapes = {name: (int(opt.params[name].shape[0]), int(opt.params[name].shape[1])) for name in opt.filters}
+
+    def _log_once(self, owner: str, step: int, why: str) -> None:
+        key = (owner[-16:], step, why[:40])
+        self.ignored += 1
+        if key not in self._logged:
+            self._logged.add(key)
+            logger.warning("prior from %s (step %s) ignored: %s", owner[-16:], step, why)
+
+    async def loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.node.opts.prior_period)
+            try:
+                await self.poll()
+            except Exception as exc:
+                logger.warning("prior poll failed: %r", exc)
+
+    async def poll(self) -> int | None:
+        node = self.node
+        found = await node.swarm.get_key(keys.prior_key(node.run_id, node.stage))
+        if found is None or not isinstance(found.value, dict):
+            return None
+        by_owner: dict[str, dict[str, dict]] = {}
+        for subkey, item in found.value.items():
+            owner, name = split_prior_subkey(subkey)
+            if owner is None or not isinstance(item.value, dict):
+                continue
+            try:
+                PriorRecordSchema.parse_obj(item.value)
+            except Exception:
+                continue
+            by_owner.setdefault(owner, {})[name] = item.value
+        best = None
+        for owner, entries in by_owner.items():
+            head = entries.get(HEADER_NAME) or {}
+            hstep = head.get("anchor_step", -1)
+            if owner not in self.allowed:
+                self._log_once(owner, hstep, "signed by a key not in anchor.allowed_keys")
+                continue
+            if hstep <= self.applied_step:
+                continue
+            try:
+                step, factors = validate_prior(entries, self.shapes)
+            except (ValueError, KeyError, TypeError) as exc:
+                self._log_once(owner, hstep, str(exc))
+                continue
+            age = node.host.opt_step - step
+            if age > node.cfg.anchor.max_staleness:
+                self._log_once(owner, step, f"stale ({age} > {node.cfg.anchor.max_staleness} steps)")
+                continue
+            if best is None or step > best[0]:
+                best = (step, factors, owner)
+        if best is None:
+            return None
+        step, factors, owner = best
+        try:
+            await node.host.run(node.host.worker.optimizer.push_prior_factors, factors, step)
+        except PriorError as exc:
+            self._log_once(owner, step, str(exc))
+            return None
+        self.applied_step = step
+        node.prior_step = step
+        logger.info("stage %d: applied the anchor prior of step %d (%d matrices)", node.stage, step, len(factors))
+        return step
+
+
+__all__ = ["HEADER_NAME", "PriorReader", "split_prior_subkey", "validate_prior"]

@@ -1,0 +1,173 @@
+"""The peer's view of the swarm: its DHT, the peer snapshot, announcing its record, and routing calls.
+
+:class:`SwarmClient` owns the hivemind DHT (validators: the run's schemas and the RSA signature
+validator with this peer's identity key) and its replicated P2P. It keeps a snapshot of
+``{run}_peers`` fresh, re-announces this peer's record before it expires, and routes a request to a
+peer of a stage: the online peer with the fewest calls in flight from here (then the highest
+throughput), retrying on another peer when a call fails (a failed peer is avoided for a while).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import PeerID
+from hivemind.utils.timed_storage import get_dht_time
+
+from ..protocol import keys
+from ..protocol.limits import Limits
+from ..protocol.records import PeerRecord, make_schema_validator, parse_peers
+from ..protocol.servicer import RPCError, call_rpc
+
+logger = logging.getLogger(__name__)
+
+
+class SwarmError(RuntimeError):
+    """The swarm cannot serve a request (no reachable peer of a stage, bootstrap failed...)."""
+
+
+class ChainError(SwarmError):
+    """A microbatch could not be sent on after every retry."""
+
+
+def start_dht(
+    run_id: str, num_stages: int, *, initial_peers: list[str], host_maddrs: list[str], identity,
+    client_mode: bool = False, identity_path: str | None = None, timeout: float = 60.0,
+) -> hivemind.DHT:
+    """Start (and wait for) a hivemind DHT with this run's validators; raise :class:`SwarmError` on failure."""
+    validators = [make_schema_validator(run_id, num_stages), RSASignatureValidator(identity)]
+    kwargs: dict[str, Any] = {}
+    if identity_path:
+        kwargs["identity_path"] = identity_path
+    try:
+        dht = hivemind.DHT(
+            initial_peers=initial_peers or None, host_maddrs=host_maddrs, start=True, record_validators=validators,
+            client_mode=client_mode, await_ready=False, **kwargs,
+        )
+        dht.wait_until_ready(timeout=timeout)
+    except Exception as exc:
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        via = ", ".join(initial_peers) or "no initial peer"
+        raise SwarmError(f"could not join the swarm via {via}: {msg}") from None
+    return dht
+
+
+class SwarmClient:
+    """DHT + P2P of one peer, its snapshot of the swarm, its announcements and its routed calls."""
+
+    def __init__(self, dht: hivemind.DHT, run_id: str, identity, limits: Limits | None = None):
+        self.dht = dht
+        self.run_id = run_id
+        self.identity = identity
+        self.owner = keys.owner_tag(identity)
+        self.limits = limits
+        self.p2p = None
+        self.peer_id = dht.peer_id.to_base58()
+        self.peers: list[PeerRecord] = []
+        self.snapshot_time = 0.0
+        self._inflight: dict[str, int] = {}
+        self._avoid: dict[str, float] = {}
+        self._refresh_lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        self.p2p = await self.dht.replicate_p2p()
+
+    # ---- the snapshot ----------------------------------------------------------------------
+
+    async def refresh(self) -> list[PeerRecord]:
+        async with self._refresh_lock:
+            found = await self.dht.get(keys.peers_key(self.run_id), latest=True, return_future=True)
+            self.peers = parse_peers(found)
+            self.snapshot_time = time.monotonic()
+            return self.peers
+
+    async def get_key(self, key: str) -> Any:
+        return await self.dht.get(key, latest=True, return_future=True)
+
+    async def announce(self, record: PeerRecord, ttl: float) -> bool:
+        record.peer_id = self.peer_id
+        record.updated = time.time()
+        return await self.dht.store(
+            keys.peers_key(self.run_id), record.to_value(), get_dht_time() + ttl, subkey=self.owner,
+            return_future=True,
+        )
+
+    async def store_signed(self, key: str, name: str, value: dict[str, Any], ttl: float) -> bool:
+        return await self.dht.store(key, value, get_dht_time() + ttl, subkey=self.owner + b"/" + name.encode(),
+                                    return_future=True)
+
+    # ---- routing ---------------------------------------------------------------------------
+
+    def candidates(self, stage: int, exclude: set[str] = frozenset()) -> list[PeerRecord]:
+        now = time.monotonic()
+        out = [
+            p for p in self.peers
+            if p.stage == stage and p.role in ("fast", "driver") and p.state == "online"
+            and p.peer_id != self.peer_id and p.peer_id not in exclude and self._avoid.get(p.peer_id, 0) < now
+        ]
+        random.shuffle(out)
+        return sorted(out, key=lambda p: (self._inflight.get(p.peer_id, 0), -p.throughput))
+
+    def avoid(self, peer_id: str, seconds: float = 15.0) -> None:
+        self._avoid[peer_id] = time.monotonic() + seconds
+
+    async def call_stage(
+        self, stage: int, build: Callable[[int], dict[str, Any]], handler: str = "rpc_forward", *,
+        stall_timeout: float = 60.0, is_stopping: Callable[[], bool] = lambda: False,
+    ) -> dict[str, Any]:
+        """Call ``handler`` on a peer of ``stage``, retrying on other peers; ``build(nonce)`` makes the request."""
+        assert self.limits is not None and self.p2p is not None
+        tried: set[str] = set()
+        errors: list[str] = []
+        deadline = time.monotonic() + stall_timeout
+        while len(tried) < self.limits.max_retries + 1:
+            cands = self.candidates(stage, tried)
+            if not cands:
+                if time.monotonic() > deadline or is_stopping():
+                    break
+                await asyncio.sleep(0.5)  # wait for a peer of that stage to (re)appear in the snapshot
+                await self.refresh()
+                continue
+            peer = cands[0]
+            tried.add(peer.peer_id)
+            self._inflight[peer.peer_id] = self._inflight.get(peer.peer_id, 0) + 1
+            try:
+                return await call_rpc(
+                    self.p2p, PeerID.from_base58(peer.peer_id), f"{self.run_id}.{handler}",
+                    build(random.getrandbits(31)), max_bytes=self.limits.max_message_bytes,
+                    timeout=self.limits.rpc_timeout, connect_timeout=self.limits.connect_timeout,
+                )
+            except RPCError as exc:
+                if str(exc).startswith("BusyError"):
+                    tried.discard(peer.peer_id)  # not a failure: come back to it shortly
+                    self.avoid(peer.peer_id, 0.3)
+                    continue
+                errors.append(f"{peer.peer_id[-8:]}: {exc}")
+                logger.warning("stage %d peer %s refused: %s", stage, peer.peer_id[-8:], exc)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # dead peer, reset stream, timeout
+                errors.append(f"{peer.peer_id[-8:]}: {type(exc).__name__} {exc}")
+                logger.warning("stage %d peer %s failed (%s: %s); retrying on another peer", stage,
+                               peer.peer_id[-8:], type(exc).__name__, exc)
+                self.avoid(peer.peer_id)
+            finally:
+                self._inflight[peer.peer_id] -= 1
+        raise ChainError(f"stage {stage}: no peer could take the microbatch ({'; '.join(errors) or 'no peer online'})")
+
+    async def shutdown(self) -> None:
+        if self.p2p is not None:
+            with contextlib.suppress(Exception):
+                await self.p2p.shutdown()
+        self.dht.shutdown()
+
+
+__all__ = ["ChainError", "SwarmClient", "SwarmError", "start_dht"]

@@ -1,0 +1,317 @@
+"""Wire messages of the fast circuit: one length-prefixed msgpack frame per message, raw tensor bytes inside.
+
+A frame is ``len (8 bytes, big endian) | msgpack body``, the framing of hivemind's
+``P2P.send_raw_data`` / ``receive_raw_data``; :func:`read_frame` checks the length against the
+peer's :class:`~.limits.Limits` *before* it reads the body, and :func:`unpack` bounds every msgpack
+container. A boundary payload travels as ``EncodedPayload.header()`` plus ``data`` (one ``bytes``
+per tensor), and is rebuilt only after :func:`payload_from_wire` checked everything a tensor could go
+wrong with: codec and kind names, dims (<= 3, positive, batch / sequence / hidden within limits),
+dtype allowlist, byte length == prod(shape) * itemsize, finite values. Anything else raises
+:class:`WireError`, which the servicer turns into an error reply.
+
+Message fields (all msgpack maps; readers ignore keys they do not know):
+
+``forward``  run, driver, step, mb, attempt, boundary, mask_version, payload (stage > 0) and labels
+             (token ids, uint16 when the vocabulary fits, else int32; they travel to the last stage).
+``backward`` run, driver, step, mb, attempt, boundary, payload (a gradient).
+reply        ok (bool), error (str, when not ok), loss (float), payload (the gradient for the caller).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import msgpack
+import torch
+from torch import Tensor
+
+from ..compression import EncodedPayload
+from .limits import MAX_META_BYTES, Limits
+
+PROTOCOL_VERSION = 1
+HEADER_LEN = 8
+BYTEORDER = "big"
+
+ALLOWED_CODECS = ("dense", "mask", "topk", "int8", "int4")
+ALLOWED_KINDS = ("activation", "grad")
+DENSE_DTYPES = ("float32", "bfloat16", "float16")
+TENSOR_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8,
+    "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32, "uint16": torch.uint16,
+}
+LABEL_DTYPES = ("uint16", "int32")
+MAX_TENSORS = 4
+
+
+class WireError(ValueError):
+    """A message that is malformed, too large or inconsistent; the reply says which."""
+
+
+# ---------------------------------------------------------------------------------------------
+# frames
+
+
+def pack(obj: dict[str, Any]) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes, max_bytes: int) -> dict[str, Any]:
+    """Unpack one msgpack map with bounded containers; raise :class:`WireError` on anything odd."""
+    if len(data) > max_bytes:
+        raise WireError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
+    try:
+        obj = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, max_bin_len=max_bytes, max_str_len=1 << 16,
+            max_array_len=4096, max_map_len=4096, max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise WireError(f"not a msgpack message ({type(exc).__name__})") from None
+    if not isinstance(obj, dict):
+        raise WireError(f"expected a msgpack map, got {type(obj).__name__}")
+    return obj
+
+
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
+    """Read one length-prefixed frame; the length is checked before a byte of the body is read."""
+    try:
+        header = await reader.readexactly(HEADER_LEN)
+    except asyncio.IncompleteReadError:
+        raise WireError("connection closed before a frame header") from None
+    length = int.from_bytes(header, BYTEORDER)
+    if length > max_bytes:
+        raise WireError(f"frame of {length} bytes exceeds the limit of {max_bytes}")
+    try:
+        return await reader.readexactly(length)
+    except asyncio.IncompleteReadError as exc:
+        raise WireError(f"truncated frame: {len(exc.partial)} of {length} bytes") from None
+
+
+async def write_frame(writer: asyncio.StreamWriter, data: bytes, chunk_size: int = 1 << 16) -> None:
+    writer.write(len(data).to_bytes(HEADER_LEN, BYTEORDER))
+    view = memoryview(data)
+    for off in range(0, len(view), chunk_size):
+        writer.write(view[off : off + chunk_size])
+    await writer.drain()
+
+
+# ---------------------------------------------------------------------------------------------
+# tensors
+
+
+def tensor_to_bytes(t: Tensor) -> bytes:
+    t = t.detach().to("cpu").contiguous().reshape(-1)
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def tensor_from_bytes(data: bytes, dtype_name: str, shape: list[int], *, finite: bool = True) -> Tensor:
+    """Rebuild a tensor after checking dtype, dims and byte length (and finiteness for float dtypes)."""
+    dtype = TENSOR_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    if dtype is None:
+        raise WireError(f"tensor dtype {dtype_name!r} is not allowed")
+    if not isinstance(shape, list) or not 1 <= len(shape) <= 3:
+        raise WireError(f"tensor shape must have 1 to 3 dims, got {shape!r}")
+    if any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in shape):
+        raise WireError(f"tensor dims must be positive integers, got {shape!r}")
+    if not isinstance(data, bytes):
+        raise WireError("tensor data must be bytes")
+    want = math.prod(shape) * dtype.itemsize
+    if len(data) != want:
+        raise WireError(f"tensor of {dtype_name} {shape} needs {want} bytes, got {len(data)}")
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+    if finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise WireError("tensor has non-finite values")
+    return t
+
+
+def _check_meta(meta: Any) -> dict[str, Any]:
+    if not isinstance(meta, dict):
+        raise WireError("payload meta must be a map")
+    if len(pack(meta)) > MAX_META_BYTES:
+        raise WireError("payload meta too large")
+    for k, v in meta.items():
+        ok = isinstance(v, (int, float, str)) or v is None or (
+            isinstance(v, list) and len(v) <= 16 and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+        )
+        if not ok:
+            raise WireError(f"payload meta {k!r} has an unsupported value")
+    return meta
+
+
+def payload_to_wire(payload: EncodedPayload) -> dict[str, Any]:
+    body = payload.header()
+    body["data"] = {k: tensor_to_bytes(t) for k, t in payload.tensors.items()}
+    return body
+
+
+def payload_from_wire(body: Any, limits: Limits, kind: str) -> EncodedPayload:
+    """Validate a wire payload against the limits and rebuild the :class:`EncodedPayload`."""
+    if not isinstance(body, dict):
+        raise WireError("payload must be a map")
+    codec, got_kind, dtype = body.get("codec"), body.get("kind"), body.get("dtype")
+    if codec not in ALLOWED_CODECS:
+        raise WireError(f"codec {codec!r} is not allowed")
+    if got_kind != kind:
+        raise WireError(f"expected a {kind} payload, got {got_kind!r}")
+    if dtype not in DENSE_DTYPES:
+        raise WireError(f"dense dtype {dtype!r} is not allowed")
+    shape = body.get("shape")
+    if not isinstance(shape, list) or len(shape) != 3 or any(
+        isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in shape
+    ):
+        raise WireError(f"dense shape must be [B, T, H] with positive ints, got {shape!r}")
+    b, t, h = shape
+    if b > limits.max_batch or t > limits.max_seq or h != limits.hidden:
+        raise WireError(
+            f"dense shape {shape} outside the run's limits (B <= {limits.max_batch}, T <= {limits.max_seq}, "
+            f"H == {limits.hidden})"
+        )
+    specs, data = body.get("tensors"), body.get("data")
+    if not isinstance(specs, dict) or not isinstance(data, dict) or set(specs) != set(data):
+        raise WireError("payload tensors and data do not match")
+    if not 1 <= len(specs) <= MAX_TENSORS:
+        raise WireError(f"payload has {len(specs)} tensors")
+    tensors = {}
+    for name, spec in specs.items():
+        if not isinstance(spec, list) or len(spec) != 2:
+            raise WireError(f"tensor spec of {name!r} must be [dtype, shape]")
+        tt = tensor_from_bytes(data[name], spec[0], spec[1])
+        if tt.shape[0] != b or (tt.dim() > 1 and tt.shape[1] != t) or (tt.dim() > 2 and tt.shape[2] > h):
+            raise WireError(f"tensor {name!r} of shape {list(tt.shape)} does not fit the dense shape {shape}")
+        tensors[name] = tt
+    return EncodedPayload(
+        codec=codec, kind=kind, shape=(b, t, h), dtype=dtype, tensors=tensors, meta=_check_meta(body.get("meta", {}))
+    )
+
+
+def labels_to_wire(ids: Tensor, vocab: int) -> dict[str, Any]:
+    dtype = "uint16" if vocab <= 65536 else "int32"
+    return {"dtype": dtype, "shape": list(ids.shape), "data": tensor_to_bytes(ids.to(TENSOR_DTYPES[dtype]))}
+
+
+def labels_from_wire(body: Any, limits: Limits) -> Tensor:  # -> (B, T) int64
+    if not isinstance(body, dict) or body.get("dtype") not in LABEL_DTYPES:
+        raise WireError("labels must be a map with dtype uint16 or int32")
+    shape = body.get("shape")
+    if not isinstance(shape, list) or len(shape) != 2:
+        raise WireError(f"labels shape must be [B, T], got {shape!r}")
+    ids = tensor_from_bytes(body.get("data"), body["dtype"], shape).to(torch.int64)
+    if ids.shape[0] > limits.max_batch or ids.shape[1] > limits.max_seq:
+        raise WireError(f"labels shape {shape} outside the run's limits")
+    if int(ids.min()) < 0 or int(ids.max()) >= limits.vocab:
+        raise WireError(f"label ids outside [0, {limits.vocab})")
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------
+# requests
+
+
+def _int(obj: dict, key: str, low: int = 0, high: int = 1 << 62) -> int:
+    v = obj.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+        raise WireError(f"field {key!r} must be an integer in [{low}, {high}], got {v!r}")
+    return v
+
+
+def _str(obj: dict, key: str, max_len: int = 256) -> str:
+    v = obj.get(key)
+    if not isinstance(v, str) or not 0 < len(v) <= max_len:
+        raise WireError(f"field {key!r} must be a non-empty string, got {type(v).__name__}")
+    return v
+
+
+class MicrobatchRequest:
+    """A validated forward or backward request (tensors rebuilt, ids checked)."""
+
+    __slots__ = ("kind", "run", "driver", "step", "mb", "attempt", "boundary", "mask_version", "payload", "labels")
+
+    def __init__(self, **kw: Any) -> None:
+        for k in self.__slots__:
+            setattr(self, k, kw.get(k))
+
+    @property
+    def replay_id(self) -> tuple[str, int, int, int]:
+        return (self.driver, self.step, self.mb, self.attempt)
+
+
+def forward_request(
+    *, run: str, driver: str, step: int, mb: int, attempt: int, boundary: int, mask_version: int,
+    payload: EncodedPayload, labels: Tensor, vocab: int,
+) -> dict[str, Any]:
+    return {
+        "v": PROTOCOL_VERSION, "type": "forward", "run": run, "driver": driver, "step": step, "mb": mb,
+        "attempt": attempt, "boundary": boundary, "mask_version": mask_version,
+        "payload": payload_to_wire(payload), "labels": labels_to_wire(labels, vocab),
+    }
+
+
+def parse_forward(
+    obj: dict[str, Any], limits: Limits, *, run: str, stage: int, mask_version: int
+) -> MicrobatchRequest:
+    """Validate a forward request addressed to ``stage`` of ``run``."""
+    if obj.get("type") != "forward":
+        raise WireError(f"expected a forward request, got {obj.get('type')!r}")
+    req = _parse_common(obj, run, stage)
+    if _int(obj, "mask_version") != mask_version:
+        raise WireError(f"mask version {obj.get('mask_version')} != this run's {mask_version}")
+    req.kind = "forward"
+    req.mask_version = mask_version
+    req.payload = payload_from_wire(obj.get("payload"), limits, "activation")
+    req.labels = labels_from_wire(obj.get("labels"), limits)
+    if tuple(req.labels.shape) != tuple(req.payload.shape[:2]):
+        raise WireError(f"labels {list(req.labels.shape)} do not match the payload's (B, T) {req.payload.shape[:2]}")
+    return req
+
+
+def backward_request(
+    *, run: str, driver: str, step: int, mb: int, attempt: int, boundary: int, payload: EncodedPayload
+) -> dict[str, Any]:
+    return {
+        "v": PROTOCOL_VERSION, "type": "backward", "run": run, "driver": driver, "step": step, "mb": mb,
+        "attempt": attempt, "boundary": boundary, "payload": payload_to_wire(payload),
+    }
+
+
+def parse_backward(obj: dict[str, Any], limits: Limits, *, run: str, stage: int) -> MicrobatchRequest:
+    """Validate a backward request: the gradient at the output of ``stage`` (boundary == stage)."""
+    if obj.get("type") != "backward":
+        raise WireError(f"expected a backward request, got {obj.get('type')!r}")
+    req = _parse_common(obj, run, stage + 1)
+    req.kind = "backward"
+    req.payload = payload_from_wire(obj.get("payload"), limits, "grad")
+    return req
+
+
+def _parse_common(obj: dict[str, Any], run: str, receiver_stage: int) -> MicrobatchRequest:
+    if obj.get("v") != PROTOCOL_VERSION:
+        raise WireError(f"protocol version {obj.get('v')!r} != {PROTOCOL_VERSION}")
+    if obj.get("run") != run:
+        raise WireError(f"message for run {obj.get('run')!r}, this peer serves {run!r}")
+    boundary = _int(obj, "boundary", 0, 1 << 16)
+    if boundary != receiver_stage - 1:
+        raise WireError(f"boundary {boundary} does not lead into stage {receiver_stage}")
+    return MicrobatchRequest(
+        run=run, driver=_str(obj, "driver"), step=_int(obj, "step"), mb=_int(obj, "mb", 0, 1 << 20),
+        attempt=_int(obj, "attempt", 0, (1 << 31) - 1), boundary=boundary,
+    )
+
+
+def reply_ok(*, loss: float | None = None, payload: EncodedPayload | None = None, **extra: Any) -> dict[str, Any]:
+    wire = None if payload is None else payload_to_wire(payload)
+    out = {"v": PROTOCOL_VERSION, "ok": True, "loss": loss, "payload": wire}
+    out.update(extra)
+    return out
+
+
+def reply_error(message: str) -> dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "ok": False, "error": str(message)[:500]}
+
+
+__all__ = [
+    "ALLOWED_CODECS", "MicrobatchRequest", "PROTOCOL_VERSION", "TENSOR_DTYPES", "WireError", "backward_request",
+    "forward_request", "labels_from_wire", "labels_to_wire", "pack", "parse_backward", "parse_forward",
+    "payload_from_wire", "payload_to_wire", "read_frame", "reply_error", "reply_ok", "tensor_from_bytes",
+    "tensor_to_bytes", "unpack", "write_frame",
+]

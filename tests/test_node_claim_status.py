@@ -1,0 +1,92 @@
+"""Pure decisions over a DHT snapshot: stage claiming, rebalancing, swarm health, prior validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshnode.node.claim import choose_stage, should_rebalance, stage_loads
+from meshnode.node.priors import HEADER_NAME, validate_prior
+from meshnode.node.status import bytes_per_token, status_json, summarize, swarm_health
+from meshnode.protocol.messages import tensor_to_bytes
+from meshnode.protocol.records import PeerRecord, factors_digest, prior_value
+
+
+def peer(pid, stage, role="fast", state="online", **kw):
+    return PeerRecord(peer_id=pid, role=role, stage=stage, num_stages=3, state=state, **kw)
+
+
+def test_choose_stage_least_served_first():
+    assert choose_stage([], 3) == 0
+    snap = [peer("a", 0, "driver"), peer("b", 1)]
+    assert choose_stage(snap, 3) == 2
+    snap.append(peer("c", 2))
+    assert choose_stage(snap, 3) == 0  # tie on count: lowest throughput, then lowest index
+    snap = [peer("a", 0, "driver", throughput=10.0), peer("b", 1, throughput=5.0), peer("c", 2, throughput=1.0)]
+    assert choose_stage(snap, 3) == 2
+    snap = [peer("a", 0, "driver"), peer("b", 1, state="offline"), peer("c", 2), peer("x", -1, "anchor")]
+    assert choose_stage(snap, 3) == 1  # offline peers and anchors do not serve
+    assert stage_loads(snap, 3)[1] == (0, 0.0)
+    assert choose_stage([peer("me", 0, "driver"), peer("b", 1), peer("c", 2)], 3, exclude="me") == 0
+
+
+def test_rebalance_moves_one_peer_of_a_crowded_stage():
+    snap = [peer("a", 0, "driver"), peer("b", 1), peer("c", 1)]
+    assert should_rebalance(snap, 3, "b") == 2
+    assert should_rebalance(snap, 3, "c") is None  # only the smallest id moves
+    assert should_rebalance(snap, 3, "a") is None  # alone in its stage
+    assert should_rebalance(snap + [peer("d", 2)], 3, "b") is None
+
+
+def test_health_and_summary():
+    assert swarm_health([]) == ["error: no peer online"]
+    snap = [peer("a", 0, "driver", driver_step=40, tokens=1000, bytes={"pp_fwd": 500}), peer("b", 1, step=40),
+            peer("x", -1, "anchor", prior_step=30, bytes={"anchor": 100})]
+    lines = swarm_health(snap, 3)
+    assert "error: stage 2 has no peer: pipeline stalled" in lines
+    snap.append(peer("c", 2, loss=2.0, prior_step=35))
+    assert swarm_health(snap, 3)[0].startswith("ok")
+    stages = summarize(snap, 3)
+    assert stages[2].prior_age == 5 and stages[0].prior_age == 10 and stages[2].loss == 2.0
+    assert swarm_health(snap, 3, max_staleness=8)[0].startswith("warning: stage 0 prior is 10")
+    bpt = bytes_per_token(snap)
+    assert bpt["pp_fwd"] == 0.5 and bpt["anchor"] == 0.1 and bpt["total"] == pytest.approx(0.6)
+    js = status_json(snap, "run", 3)
+    assert js["driver_step"] == 40 and len(js["stages"]) == 3
+    assert "no driver" in " ".join(swarm_health([peer("b", 1), peer("c", 2)], 3))
+
+
+def _prior(shapes, step=5, rank=2, **bad):
+    entries = {}
+    for name, (m, n) in shapes.items():
+        u, s, vh = torch.randn(m, rank), torch.rand(rank), torch.randn(rank, n)
+        if bad.get("nan"):
+            u[0, 0] = float("nan")
+        ub, sb, vb = (tensor_to_bytes(t.half()) for t in (u, s, vh))
+        shape = [m + 1, n] if bad.get("shape") else [m, n]
+        entries[name] = prior_value(kind="matrix", anchor_step=step, name=name, rank=rank, shape=shape, u=ub, s=sb,
+                                    vh=vb, digest=factors_digest(ub, sb, vb))
+    entries[HEADER_NAME] = prior_value(kind="header", anchor_step=step, names=sorted(shapes))
+    return entries
+
+
+def test_validate_prior():
+    shapes = {"a": (8, 4), "b": (4, 6)}
+    step, factors = validate_prior(_prior(shapes), shapes)
+    assert step == 5 and factors["a"][0].shape == (8, 2) and factors["b"][2].shape == (2, 6)
+    with pytest.raises(ValueError, match="does not fit"):
+        validate_prior(_prior(shapes, shape=True), shapes)
+    with pytest.raises(ValueError, match="non-finite"):
+        validate_prior(_prior(shapes, nan=True), shapes)
+    entries = _prior(shapes)
+    del entries[HEADER_NAME]
+    with pytest.raises(ValueError, match="header"):
+        validate_prior(entries, shapes)
+    entries = _prior(shapes)
+    entries["a"]["anchor_step"] = 4
+    with pytest.raises(ValueError, match="another cycle"):
+        validate_prior(entries, shapes)
+    entries = _prior(shapes)
+    entries["a"]["digest"] = "0" * 16
+    with pytest.raises(ValueError, match="digest"):
+        validate_prior(entries, shapes)

@@ -1,0 +1,336 @@
+"""Real swarms: `meshnode join` subprocesses on 127.0.0.1 with real libp2p, the tiny model.
+
+Every wait polls a condition with a deadline; every process a test starts is stopped by its own
+pid / process group in a finalizer (SIGTERM, then SIGKILL), never by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshnode.config import load_config
+from meshnode.node.procs import PeerProcess, start_peer, tail
+from meshnode.protocol import keys
+
+from .conftest import TINY
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
+
+
+def wait_for(cond, timeout: float, what: str, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(interval)  # polling interval of a deadline-bounded wait, not synchronisation
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+class Swarm:
+    def __init__(self, tmp: Path, cache: Path, overrides: list[str]):
+        self.tmp, self.cache, self.overrides = tmp, cache, overrides
+        self.cfg = load_config(TINY, overrides)
+        self.procs: list[PeerProcess] = []
+        self.bootstrap: list[str] = []
+
+    def start(self, name: str, *extra: str, wait: bool = True) -> PeerProcess:
+        p = start_peer(name, self.tmp, TINY, self.overrides, initial_peers=self.bootstrap, extra=list(extra),
+                       cache_dir=self.cache)
+        self.procs.append(p)
+        if wait:
+            info = p.wait_ready(120)
+            if not self.bootstrap:
+                self.bootstrap = info["maddrs"][:1]
+        return p
+
+    def status(self) -> dict:
+        r = subprocess.run(
+            [sys.executable, "-m", "meshnode.cli", "status", "--initial-peers", self.bootstrap[0], "--run",
+             self.cfg.run_id, "--json"], capture_output=True, text=True, timeout=60,
+        )
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    def metrics(self, path: Path) -> list[dict]:
+        if not path.is_file():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.stop(timeout=20)
+
+
+@pytest.fixture
+def swarm_factory(tmp_path, cache_dir):
+    made: list[Swarm] = []
+
+    def make(overrides: list[str]) -> Swarm:
+        s = Swarm(tmp_path, cache_dir, overrides)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+THREE = ["model.stages=3", "model.tiny_layers=6"]
+
+
+def test_three_stages_and_anchor(swarm_factory, tmp_path, cache_dir):
+    key_file = tmp_path / "anchor.key"
+    anchor_key = keys.public_key_string(keys.load_or_create_identity(key_file))
+    steps = 40
+    sw = swarm_factory(THREE + [
+        "mask.ratio=0.95", "anchor.enabled=true", "anchor.period=5", "spectral.rank=8", f"train.steps={steps}",
+        f"anchor.allowed_keys=[{json.dumps(anchor_key)}]",
+    ])
+    sw.start("stage1", "--stage", "1")
+    sw.start("stage2", "--stage", "2", wait=False)
+    sw.start("anchor", "--role", "anchor", "--identity", str(key_file), wait=False)
+    for p in sw.procs:
+        p.wait_ready(120)
+    metrics = tmp_path / "driver.jsonl"
+    sw.start("stage0", "--metrics-out", str(metrics))  # --stage auto: the only free stage is 0
+    wait_for(lambda: len(sw.metrics(metrics)) >= steps, 240, "the driver to finish")
+
+    def priors_everywhere():
+        st = sw.status()
+        return st if all(s["prior_age"] is not None for s in st["stages"]) else None
+
+    st = wait_for(priors_everywhere, 60, "every stage to hold a prior")
+    by_stage = {s["stage"]: s for s in st["stages"]}
+    assert st["driver_step"] == steps
+    for s in range(3):
+        assert len(by_stage[s]["fast_peers"]) == 1, by_stage[s]
+        assert len(by_stage[s]["anchor_peers"]) == 1
+    roles = {p["role"]: p["stage"] for p in st["peers"] if p["state"] == "online"}
+    assert roles["driver"] == 0 and roles["anchor"] == -1
+    assert st["health"][0].startswith("ok"), st["health"]
+    assert st["bytes_per_token"]["pp_fwd"] > 0 and st["bytes_per_token"]["anchor"] > 0
+
+    from meshnode.node.inspect import SwarmReader, heldout_loss_of
+
+    with SwarmReader(sw.bootstrap, sw.cfg.run_id) as reader:
+        weights, _ = reader.stage_weights(3)
+    before = heldout_loss_of(sw.cfg, None, cache_dir)
+    after = heldout_loss_of(sw.cfg, weights, cache_dir)
+    assert after < before - 0.5, (before, after)
+
+
+def test_equivalence_with_in_process_mesh(swarm_factory, tmp_path, cache_dir):
+    """One peer per stage, masked boundaries: the swarm's losses are the mesh's.
+
+    Tolerance 1e-5 (absolute): both run the same StageWorker code, same seeds, same masks and the same
+    data positions, with one torch thread per stage (the test sets the mesh to one thread too), so the
+    arithmetic is the same; in practice the losses are bit-identical. The only room for a difference is
+    float summation order if a kernel chose another path, which stays far below 1e-5 over 8 steps.
+    """
+    steps = 8
+    over = THREE + ["mask.ratio=0.9", f"train.steps={steps}", "train.microbatches=2"]
+    sw = swarm_factory(over)
+    sw.start("stage2", "--stage", "2")
+    sw.start("stage1", "--stage", "1")
+    metrics = tmp_path / "eq.jsonl"
+    sw.start("stage0", "--stage", "0", "--metrics-out", str(metrics))
+    wait_for(lambda: len(sw.metrics(metrics)) >= steps, 120, "the driver to finish")
+    swarm_losses = [m["loss"] for m in sorted(sw.metrics(metrics), key=lambda m: m["step"])]
+
+    from meshnode.mesh import MeshTrainer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer = MeshTrainer(sw.cfg, cache_dir)
+        for _ in range(steps):
+            trainer.train_step()
+    finally:
+        torch.set_num_threads(threads)
+    assert swarm_losses == pytest.approx(trainer.losses, abs=1e-5)
+
+
+def test_churn_kill_and_join(swarm_factory, tmp_path):
+    """Stage 1 has two peers; one is SIGKILLed mid-run, a new one joins, loads state and serves."""
+    steps = 400
+    sw = swarm_factory([f"train.steps={steps}", "train.warmup_steps=5"])
+    sw.start("s1a", "--stage", "1")
+    sw.start("s1b", "--stage", "1")
+    metrics = tmp_path / "churn.jsonl"
+    sw.start("driver", "--stage", "0", "--metrics-out", str(metrics))
+    wait_for(lambda: len(sw.metrics(metrics)) >= 40, 120, "training to start")
+    victim = sw.procs[1]
+    killed_at = len(sw.metrics(metrics))
+    victim.kill()  # SIGKILL to its process group: no goodbye, its record stays in the DHT until it expires
+    wait_for(lambda: len(sw.metrics(metrics)) >= killed_at + 40, 120, "training to continue after the kill")
+    newcomer = sw.start("s1c", "--stage", "1")
+    assert newcomer.alive()
+
+    def newcomer_contributes():
+        st = sw.status()
+        return any(p["peer_id"] == newcomer.ready()["peer_id"] and p["tokens"] > 0 for p in st["peers"])
+
+    wait_for(newcomer_contributes, 120, "the new peer to train")
+    log = newcomer.log.read_text()
+    assert "loaded stage 1 state" in log, tail(newcomer.log)
+    recs = sw.metrics(metrics)
+    walls = [r["wall_s"] for r in sorted(recs, key=lambda r: r["step"])]
+    longest = max(b - a for a, b in zip(walls, walls[1:]))
+    # bound: one failed stream open (immediate on a dead peer) and a retry on the live peer, plus a
+    # loaded 2-core machine; a dead peer costs a retry, never a stall of the run
+    assert longest < 20.0, f"longest gap between steps {longest:.1f}s"
+
+
+def test_bad_input_and_bad_priors(swarm_factory, tmp_path, cache_dir):
+    good_key_file = tmp_path / "good.key"
+    good = keys.load_or_create_identity(good_key_file)
+    sw = swarm_factory(["anchor.enabled=true", f"anchor.allowed_keys=[{json.dumps(keys.public_key_string(good))}]"])
+    target = sw.start("stage1", "--stage", "1")
+    peer_id = target.ready()["peer_id"]
+    asyncio.run(_attack(sw, peer_id, good))
+    assert target.alive(), tail(target.log)
+
+    def all_ignored():
+        text = target.log.read_text()
+        return all(n in text for n in ("not in anchor.allowed_keys", "does not fit", "non-finite"))
+
+    wait_for(all_ignored, 60, "the bad priors to be logged as ignored")
+    assert "applied the anchor prior" not in target.log.read_text()
+
+
+async def _attack(sw: Swarm, peer_id: str, good_key) -> None:
+    import os
+
+    from hivemind.p2p import PeerID
+
+    from meshnode.compression import DenseCodec
+    from meshnode.node.host import weights_from_chunks
+    from meshnode.node.priors import HEADER_NAME
+    from meshnode.node.swarm import SwarmClient, start_dht
+    from meshnode.protocol.limits import Limits
+    from meshnode.protocol.messages import forward_request, pack, tensor_to_bytes
+    from meshnode.protocol.records import factors_digest, prior_value
+    from meshnode.protocol.servicer import RPCError, call_rpc, stream_rpc
+
+    cfg = sw.cfg
+    run = cfg.run_id
+    limits = Limits.from_config(cfg, cfg.model.tiny_hidden, cfg.model.tiny_vocab)
+    dht = await asyncio.to_thread(start_dht, run, cfg.model.stages, initial_peers=sw.bootstrap,
+                                  host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity=good_key, client_mode=True)
+    client = SwarmClient(dht, run, good_key, limits)
+    await client.start()
+    peer = PeerID.from_base58(peer_id)
+    handler = f"{run}.rpc_forward"
+    B, T, H = cfg.train.batch_size, cfg.data.seq_len, cfg.model.tiny_hidden
+
+    async def weights():
+        chunks = [c async for c in stream_rpc(client.p2p, peer, f"{run}.rpc_get_weights", {"run": run},
+                                              max_bytes=limits.max_message_bytes, timeout=30)]
+        return weights_from_chunks(chunks)
+
+    def valid(step=5, mb=0, attempt=1, value=None, shape=(B, T, H), wire="bfloat16"):
+        x = torch.randn(*shape) if value is None else torch.full(shape, value)
+        payload = DenseCodec(wire).encode(x)
+        return forward_request(run=run, driver="attacker", step=step, mb=mb, attempt=attempt, boundary=0,
+                               mask_version=0, payload=payload, labels=torch.randint(0, 256, shape[:2]), vocab=260)
+
+    async def refused(request, needle=""):
+        with pytest.raises(RPCError) as info:
+            await call_rpc(client.p2p, peer, handler, request, max_bytes=limits.max_message_bytes, timeout=30)
+        assert needle in str(info.value), str(info.value)
+
+    try:
+        w0 = await weights()
+        await refused(os.urandom(5000), "msgpack")
+        await refused(pack({"type": "forward"}), "version")
+        await refused(valid(shape=(B, T, H + 1)), "limits")
+        await refused(valid(shape=(B * 8, T, H)), "limits")
+        await refused(valid(wire="float16"), "")  # the codec of this run is bf16: the worker refuses it
+        req = valid()
+        req["payload"]["tensors"]["values"][0] = "float64"
+        await refused(req, "not allowed")
+        await refused(valid(value=float("nan")), "non-finite")
+        await refused(valid(value=float("inf")), "non-finite")
+        truncated = valid()
+        truncated["payload"]["data"]["values"] = truncated["payload"]["data"]["values"][:-7]
+        await refused(truncated, "bytes")
+        # a frame announcing more bytes than allowed: refused before the body is read
+        _, reader, writer = await client.p2p.call_binary_stream_handler(peer, handler)
+        writer.write((limits.max_message_bytes + 1).to_bytes(8, "big") + b"\x00" * 1024)  # the body never follows
+        await writer.drain()
+        from meshnode.protocol.messages import read_frame, unpack
+
+        reply = unpack(await asyncio.wait_for(read_frame(reader, 1 << 20), 30), 1 << 20)
+        writer.close()
+        assert not reply["ok"] and "exceeds" in reply["error"]
+        # a truncated frame: the sender hangs up mid-body
+        _, reader, writer = await client.p2p.call_binary_stream_handler(peer, handler)
+        writer.write((1000).to_bytes(8, "big") + b"\x01" * 10)
+        await writer.drain()
+        writer.close()
+        w1 = await weights()
+        assert all(torch.equal(w0[k], w1[k]) for k in w0), "weights changed after bad input"
+        # replay and staleness: a valid message is served once; its replay, and an old step, are refused
+        ok = valid(step=10, attempt=3)
+        reply = await call_rpc(client.p2p, peer, handler, ok, max_bytes=limits.max_message_bytes, timeout=60)
+        assert reply["ok"] and reply["loss"] > 0
+        w2 = await weights()
+        await refused(ok, "replayed")
+        await refused(valid(step=2, attempt=4), "stale")
+        w3 = await weights()
+        assert all(torch.equal(w2[k], w3[k]) for k in w2), "weights changed after a replay"
+
+        # priors: wrong shapes and non-finite values from the allowed key; good-looking ones from another key
+        prior = f"{run}_prior_1"
+        name = "layers.0.self_attn.q_proj.weight"
+        names = sorted(n for n in w0 if n.endswith(("proj.weight",)))
+
+        def entry(m, n, r=2, nan=False, step=1):
+            u, s, vh = torch.randn(m, r), torch.rand(r), torch.randn(r, n)
+            if nan:
+                s[0] = float("inf")
+            ub, sb, vb = (tensor_to_bytes(t.half()) for t in (u, s, vh))
+            return prior_value(kind="matrix", anchor_step=step, name=name, rank=r, shape=[m, n], u=ub, s=sb, vh=vb,
+                               digest=factors_digest(ub, sb, vb))
+
+        def publish(c: SwarmClient, values: dict, step: int):
+            async def go():
+                for nm, v in values.items():
+                    assert await c.store_signed(prior, nm, v, 120)
+                assert await c.store_signed(prior, HEADER_NAME, prior_value(kind="header", anchor_step=step,
+                                                                              names=sorted(values)), 120)
+            return go()
+
+        shapes = {n: tuple(w0[n].shape) for n in names}
+        await publish(client, {n: entry(m + 1, k) for n, (m, k) in shapes.items()}, 1)
+        await _wait_log(sw.procs[0].log, "does not fit")
+        await publish(client, {n: entry(m, k, nan=True, step=2) for n, (m, k) in shapes.items()}, 2)
+        await _wait_log(sw.procs[0].log, "non-finite")
+        rogue_key = keys.load_or_create_identity(None)
+        rogue_dht = await asyncio.to_thread(start_dht, run, cfg.model.stages, initial_peers=sw.bootstrap,
+                                            host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity=rogue_key, client_mode=True)
+        try:
+            rogue = SwarmClient(rogue_dht, run, rogue_key, limits)
+            await publish(rogue, {n: entry(m, k, step=3) for n, (m, k) in shapes.items()}, 3)
+        finally:
+            rogue_dht.shutdown()
+    finally:
+        await client.p2p.shutdown()
+        dht.shutdown()
+
+
+async def _wait_log(path: Path, needle: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while needle not in path.read_text():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{needle!r} not in {path}")
+        await asyncio.sleep(0.3)
