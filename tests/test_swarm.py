@@ -161,7 +161,7 @@ def test_equivalence_with_in_process_mesh(swarm_factory, tmp_path, cache_dir):
 
 def test_churn_kill_and_join(swarm_factory, tmp_path):
     """Stage 1 has two peers; one is SIGKILLed mid-run, a new one joins, loads state and serves."""
-    steps = 400
+    steps = 20000  # far more than the test runs: the run must not end before the newcomer is up
     sw = swarm_factory([f"train.steps={steps}", "train.warmup_steps=5"])
     sw.start("s1a", "--stage", "1")
     sw.start("s1b", "--stage", "1")
