@@ -36,6 +36,11 @@ Latency (pipeline bubble). One microbatch needs a round trip through all stages 
     T_rt    = sum_s c_s + sum_{b=0}^{Y-2} (2 L + 8 (f_b + g_{b+1}) / B)
     X_lat   = M / T_rt                               (Little's law)
 
+With ``step_barrier`` (the swarm's step clock: a driver waits for its ``m`` microbatches before the next
+step), the pipeline fills and drains every step::
+
+    X_lat   = min(M / T_rt, M / ((m - 1) max_s t_s + T_rt))
+
 Prediction::
 
     X = min(X_pipe, X_lat),   tokens/s = T X
@@ -85,6 +90,8 @@ class StageCost:
     :param pp_bwd_bytes: gradient payload this stage sends to the previous stage (ignored on the first).
     :param dp_bytes: DP payload of one replica per sync (all-reduce traffic is derived from it).
     :param anchor_bytes: anchor prior bytes one fast replica of this stage downloads per anchor cycle.
+    :param anchor_upload_bytes: bytes one fast replica of this stage uploads per anchor cycle on average
+        (e.g. the weight snapshot the anchor fetches from one of the stage's replicas, divided by R).
     """
 
     compute_s: float
@@ -92,6 +99,7 @@ class StageCost:
     pp_bwd_bytes: float = 0.0
     dp_bytes: float = 0.0
     anchor_bytes: float = 0.0
+    anchor_upload_bytes: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +122,8 @@ class SwarmShape:
     :param microbatches_per_step: m, microbatches per optimizer step of a replica.
     :param anchor_period_steps: K, steps between anchor priors.
     :param overlap: compute and transfers overlap (``False``: ``t_s = c_s + max(up, down)``).
+    :param step_barrier: each driver sends its ``m`` microbatches, waits for all of them, then steps (the
+        swarm's step clock): the pipeline fills and drains every step, ``X_bar = M / ((m-1) max_s t_s + T_rt)``.
     """
 
     stages: int
@@ -124,6 +134,7 @@ class SwarmShape:
     microbatches_per_step: int = 1
     anchor_period_steps: int = 20
     overlap: bool = True
+    step_barrier: bool = False
 
     def replicas(self) -> tuple[int, ...]:
         r = self.replicas_per_stage
@@ -207,7 +218,7 @@ def predict_tokens_per_s(stages: StageCost | Sequence[StageCost], shape: SwarmSh
             "pp_fwd": c.pp_fwd_bytes if s < y - 1 else 0.0,
             "pp_bwd": c.pp_bwd_bytes if s > 0 else 0.0,
             "dp": dp,
-            "anchor": 0.0,
+            "anchor": c.anchor_upload_bytes / (k * m),
         }
         down = {
             "pp_fwd": costs[s - 1].pp_fwd_bytes if s > 0 else 0.0,
@@ -228,6 +239,10 @@ def predict_tokens_per_s(stages: StageCost | Sequence[StageCost], shape: SwarmSh
         2 * link.latency_s + 8 * (costs[b].pp_fwd_bytes + costs[b + 1].pp_bwd_bytes) / bw for b in range(y - 1)
     )
     x_lat = shape.microbatches_in_flight / round_trip if round_trip > 0 else math.inf
+    if shape.step_barrier:  # fill + drain every step: (m - 1) bottleneck slots plus one round trip
+        t_max = max(b.time_per_microbatch_s for b in breakdown)
+        drain = (m - 1) * t_max + round_trip
+        x_lat = min(x_lat, shape.microbatches_in_flight / drain) if drain > 0 else x_lat
     x = min(x_pipe, x_lat)
     tpm = shape.tokens_per_microbatch
     breakdown = [dataclasses.replace(b, busy_fraction=x * b.compute_s / b.replicas) for b in breakdown]
@@ -235,7 +250,8 @@ def predict_tokens_per_s(stages: StageCost | Sequence[StageCost], shape: SwarmSh
     if x_lat < x_pipe * (1 - 1e-12):  # ties (float noise) go to the steady-state bottleneck
         limit, stage = "latency", None
         text = (f"latency: {shape.microbatches_in_flight} microbatches in flight over a {round_trip * 1e3:.1f} ms "
-                f"round trip; {_ceil(x_pipe * round_trip)} would reach the steady-state rate")
+                f"round trip; {_ceil(x_pipe * round_trip)} would reach the steady-state rate"
+                + (" (step barrier: the pipeline drains every step)" if shape.step_barrier else ""))
     else:
         slow = min(breakdown, key=lambda b: b.microbatches_per_s)
         limit, stage = slow.limit, slow.stage
@@ -248,7 +264,7 @@ def predict_tokens_per_s(stages: StageCost | Sequence[StageCost], shape: SwarmSh
         "pp_fwd": sum(costs[b].pp_fwd_bytes for b in range(y - 1)) / tpm,
         "pp_bwd": sum(costs[b + 1].pp_bwd_bytes for b in range(y - 1)) / tpm,
         "dp": sum(b.uplink_bytes["dp"] for b in breakdown) / tpm,
-        "anchor": sum(b.downlink_bytes["anchor"] for b in breakdown) / tpm,
+        "anchor": sum(b.downlink_bytes["anchor"] + b.uplink_bytes["anchor"] for b in breakdown) / tpm,
     }
     return Prediction(
         tokens_per_s=x * tpm, microbatches_per_s=x, limit=limit, bottleneck_stage=stage, bottleneck=text,

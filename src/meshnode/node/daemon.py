@@ -115,6 +115,9 @@ class SwarmNode:
             host_maddrs=self.opts.host_maddrs, identity=self.identity, identity_path=identity_path,
         )
         self.swarm = SwarmClient(dht, self.run_id, self.identity)
+        if self.opts.metrics_out is not None:
+            self.metrics = open(self.opts.metrics_out, "a")  # noqa: SIM115 (closed in _cleanup)
+            self.tasks.append(asyncio.create_task(self._metrics_loop()))
         try:
             await self.swarm.start()
             await self.swarm.refresh()
@@ -208,6 +211,26 @@ class SwarmNode:
             except Exception as exc:
                 logger.warning("announce failed: %r", exc)
 
+    def _write_metrics(self, rec: dict[str, Any]) -> None:
+        if self.metrics is not None and not self.metrics.closed:
+            self.metrics.write(json.dumps(rec) + "\n")
+            self.metrics.flush()
+
+    async def _metrics_loop(self) -> None:
+        """With ``--metrics-out``, a fast or anchor peer writes a ``tick`` line each announce period: wall-clock
+        time, compute seconds, tokens and bytes sent per axis (benchmarks take differences over a window).
+        A driver writes one record per step instead (with the same fields)."""
+        while True:
+            await asyncio.sleep(self.opts.announce_period)
+            if self.role == "driver":
+                continue
+            host = self.host
+            self._write_metrics({
+                "kind": "tick", "t": time.time(), "role": self.role, "stage": self.stage,
+                "compute_s": round(host.compute_s, 4) if host else None, "tokens": host.tokens if host else 0,
+                "driver_step": self.driver_step, "bytes": self.counter.snapshot(),
+            })
+
     async def _refresh_loop(self) -> None:
         last_health: list[str] = []
         while True:
@@ -294,8 +317,6 @@ class SwarmNode:
 
             reader = PriorReader(self)
             self.tasks.append(asyncio.create_task(reader.loop()))
-        if self.opts.metrics_out is not None:
-            self.metrics = open(self.opts.metrics_out, "a")  # noqa: SIM115 (closed in shutdown)
         self._write_ready()
         driver = asyncio.create_task(self._drive()) if self.role == "driver" else None
         await self.stopping.wait()
@@ -381,12 +402,11 @@ class SwarmNode:
             self.driver_step = step + 1
             self.driver_tokens += M * cfg.train.batch_size * cfg.data.seq_len
             rec = {"step": step, "loss": loss, "tokens": self.driver_tokens,
-                   "wall_s": round(time.monotonic() - start, 3), "bytes": self.counter.snapshot()}
+                   "wall_s": round(time.monotonic() - start, 3), "t": time.time(),
+                   "compute_s": round(self.host.compute_s, 4), "bytes": self.counter.snapshot()}
             if stalled_since is not None:
                 rec["stall_s"] = round(time.monotonic() - stalled_since, 3)
-            if self.metrics is not None:
-                self.metrics.write(json.dumps(rec) + "\n")
-                self.metrics.flush()
+            self._write_metrics(rec)
             if (step + 1) % 10 == 0 or step + 1 == cfg.train.steps:
                 logger.info("driver step %d/%d loss %.4f", step + 1, cfg.train.steps, loss)
         if self.driver_step >= cfg.train.steps:

@@ -93,12 +93,21 @@ class StageHost:
         self.busy_timeout = 1.0  # a forward that finds this replica stepping longer than this is told "busy"
         self._window: deque[tuple[float, int]] = deque()
         self.refused = 0
+        self.compute_s = 0.0  # seconds of forward + backward torch work on this host's thread (busy fraction)
 
     # ---- helpers ---------------------------------------------------------------------------
 
     async def run(self, fn, *args):
         """Run torch work on this host's thread."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def _timed(self, fn, *args):
+        """Call ``fn`` on the host's thread and add its duration to :attr:`compute_s` (not the queueing)."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.compute_s += time.perf_counter() - t0
 
     def throughput(self, horizon: float = 30.0) -> float:
         now = time.monotonic()
@@ -210,7 +219,8 @@ class StageHost:
         try:
             async with lock:  # two drivers may use the same (step, mb): one at a time on this worker
                 mbid = MicrobatchId(step, mb)
-                out = await self.run(self.worker.forward, mbid, inputs, labels if self.worker.is_last else None)
+                out = await self.run(self._timed, self.worker.forward, mbid, inputs,
+                                     labels if self.worker.is_last else None)
                 try:
                     if self.worker.is_last:
                         loss = float(out)
@@ -230,7 +240,7 @@ class StageHost:
                         reply = await self.call_next(self.stage + 1, build)
                         loss = float(reply["loss"])
                         grad_out = payload_from_wire(reply.get("payload"), self.limits, "grad")
-                    grad_in = await self.run(self.worker.backward, mbid, grad_out)
+                    grad_in = await self.run(self._timed, self.worker.backward, mbid, grad_out)
                 except BaseException:
                     await self.run(self.worker.discard, mbid)
                     raise

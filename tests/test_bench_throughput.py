@@ -1,0 +1,104 @@
+"""Pure parts of scripts/bench_throughput.py: time scaling, variant configs, windows, the model wiring (no root)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import bench_throughput as bt  # noqa: E402
+from meshnode import perf  # noqa: E402
+from meshnode.config import config_from_dict  # noqa: E402
+
+
+def test_time_scale_arithmetic():
+    # 1 GFLOP on a 10 TFLOP/s GPU at 50 % = 0.2 ms; 50 ms here -> ratio 250 -> 200 Mbit/s becomes 0.8 Mbit/s
+    s = bt.time_scale(0.05, 1e9, 200.0, 20.0, gpu_flops=10e12, utilisation=0.5)
+    assert s.gpu_s == pytest.approx(2e-4)
+    assert s.ratio == pytest.approx(250.0)
+    assert s.emulated_mbit == pytest.approx(0.8)
+    assert s.gpu_delay_ms_scaled == pytest.approx(5000.0)
+    with pytest.raises(ValueError):
+        bt.time_scale(0.0, 1e9, 200.0, 20.0)
+
+
+def test_bench_model_flops_and_toml():
+    b = bt.BenchModel()
+    cfg = config_from_dict(__import__("tomllib").loads(b.toml()))
+    assert cfg.model.stages == b.stages and cfg.model.tiny_layers == b.stages * b.layers_per_stage
+    assert cfg.train.microbatches == b.microbatches and cfg.train.batch_size * cfg.data.seq_len == 256
+    # the last stage carries the lm_head: more FLOPs than stage 0
+    assert b.stage_flops(b.stages - 1) > b.stage_flops(0) > 0
+
+
+@pytest.mark.parametrize("variant", bt.VARIANTS)
+def test_variant_overrides_are_valid_configs(variant):
+    b = bt.BenchModel()
+    over = bt.variant_overrides(variant, replicas=2, anchor_key="ssh-rsa AAAA test")
+    cfg = config_from_dict(__import__("tomllib").loads(b.toml()), over)
+    assert cfg.anchor.enabled == (variant in ("m95_ap", "m95_ap_dp"))
+    assert cfg.dp.enabled == (variant == "m95_ap_dp")
+    assert (cfg.mask.ratio == 0.95) == variant.startswith("m95")
+    assert cfg.mask.codec == {"topk": "topk", "int8": "int8"}.get(variant, "mask")
+    with pytest.raises(ValueError):
+        bt.variant_overrides("nope", replicas=2, anchor_key="")
+
+
+def test_driver_window_skips_warmup():
+    recs = [{"step": i, "t": 100.0 + 2 * i, "tokens": 256 * (i + 1), "compute_s": 0.1 * i,
+             "bytes": {"pp_fwd": 1000 * i}} for i in range(10)]
+    recs.insert(3, {"kind": "tick", "t": 105.0})  # not a step record
+    w = bt.driver_window(recs, warmup_s=5.0)
+    assert w["t0"] == 106.0 and w["t1"] == 118.0  # first step >= 5 s after the first record
+    assert w["tokens"] == 256 * 6 and w["tokens_per_s"] == pytest.approx(256 * 6 / 12)
+    assert w["bytes"]["pp_fwd"] == 6000 and w["bytes"]["dp"] == 0
+    assert bt.driver_window(recs[:1], 0.0) is None
+
+
+def test_peer_window_interpolates():
+    ticks = [{"t": 0.0, "bytes": {"pp_bwd": 0}, "compute_s": 0.0, "tokens": 0},
+             {"t": 10.0, "bytes": {"pp_bwd": 1000}, "compute_s": 2.0, "tokens": 100}]
+    w = bt.peer_window(ticks, 2.5, 7.5)
+    assert w["bytes"]["pp_bwd"] == pytest.approx(500)
+    assert w["compute_s"] == pytest.approx(1.0) and w["tokens"] == pytest.approx(50)
+    assert bt.interpolate(ticks, -5, lambda s: s["compute_s"]) == 0.0  # clamped
+    assert bt.interpolate(ticks, 50, lambda s: s["compute_s"]) == 2.0
+
+
+def _sizes(fwd, bwd):
+    return bt.WireSizes(fwd, bwd, [1e5, 1e5], [2e4, 2e4], [1e6, 1e6])
+
+
+def test_predict_variant_comm_bound_dense_is_slower():
+    b = bt.BenchModel()
+    dense = bt.predict_variant("dense", b, 2, [0.02, 0.02], _sizes(*bt.codec_sizes("dense", b)), 0.7, 20.0)
+    m95 = bt.predict_variant("m95", b, 2, [0.02, 0.02], _sizes(*bt.codec_sizes("m95", b)), 0.7, 20.0)
+    assert dense.limit in ("uplink", "downlink", "latency")
+    assert 10 < m95.tokens_per_s / dense.tokens_per_s < 21  # bounded by H / K = 20 (labels and headers aside)
+    ap = bt.predict_variant("m95_ap", b, 2, [0.02, 0.02], _sizes(*bt.codec_sizes("m95", b)), 0.7, 20.0)
+    dp = bt.predict_variant("m95_ap_dp", b, 2, [0.02, 0.02], _sizes(*bt.codec_sizes("m95", b)), 0.7, 20.0)
+    assert dp.tokens_per_s <= ap.tokens_per_s <= m95.tokens_per_s
+
+
+def test_codec_sizes_follow_the_codecs():
+    b = bt.BenchModel()
+    fwd, bwd = bt.codec_sizes("dense", b)
+    tokens = b.batch * b.seq_len
+    assert bwd == tokens * b.hidden * 2 + 64  # bf16 + header
+    assert fwd == bwd + 2 * tokens  # + uint16 labels
+    mf, mb = bt.codec_sizes("m95", b)
+    assert mb == tokens * round(0.05 * b.hidden) * 2 + 64
+
+
+def test_step_barrier_lowers_the_rate():
+    costs = [perf.StageCost(0.1, 1e5, 1e5)] * 2
+    link = perf.LinkSpec(1e7)
+    free = perf.predict_tokens_per_s(costs, perf.SwarmShape(2, 1, 4, 256, microbatches_per_step=4), link)
+    bar = perf.predict_tokens_per_s(
+        costs, perf.SwarmShape(2, 1, 4, 256, microbatches_per_step=4, step_barrier=True), link)
+    assert bar.tokens_per_s < free.tokens_per_s
+    # (m - 1) t_max + T_rt = 3 * 0.1 + (0.2 + 0.16) per 4 microbatches
+    assert bar.microbatches_per_s == pytest.approx(4 / (3 * 0.1 + 0.2 + 8 * 2e5 / 1e7))
