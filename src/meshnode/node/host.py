@@ -305,17 +305,25 @@ class StageHost:
             await self._cond.wait_for(lambda: not self._stepping)
             weights = await self.run(self._weights_snapshot)
             meta = {"opt_step": self.opt_step, "driver_step": self.driver_step, "dp_syncs": self.dp_syncs()}
-        chunk: dict[str, Any] = {}
-        size = 0
-        items = list(weights.items())
-        for i, (name, t) in enumerate(items):
+        # entries: name -> [dtype, shape, bytes, offset]; a tensor larger than a chunk (an embedding)
+        # is split into pieces at increasing offsets, which weights_from_chunks joins again
+        piece = WEIGHT_CHUNK_BYTES // 2
+        entries: list[tuple[str, list]] = []
+        for name, t in weights.items():
             t = t.to(torch.bfloat16) if half and t.is_floating_point() else t
             data = tensor_to_bytes(t)
-            chunk[name] = [str(t.dtype).removeprefix("torch."), list(t.shape), data]
-            size += len(data)
-            if size >= WEIGHT_CHUNK_BYTES // 2 or i == len(items) - 1:
-                yield {"ok": True, "tensors": chunk, "last": i == len(items) - 1, **meta}
-                chunk, size = {}, 0
+            dtype, shape = str(t.dtype).removeprefix("torch."), list(t.shape)
+            for offset in range(0, max(1, len(data)), piece):
+                entries.append((name, [dtype, shape, data[offset : offset + piece], offset]))
+        chunk: list[list] = []
+        size = 0
+        for i, (name, spec) in enumerate(entries):
+            chunk.append([name, *spec])
+            size += len(spec[2])
+            last = i == len(entries) - 1
+            if size >= piece or last:
+                yield {"ok": True, "pieces": chunk, "last": last, **meta}
+                chunk, size = [], 0
 
     def dp_syncs(self) -> int:
         return 0 if self.dp is None else self.dp.syncs
@@ -353,21 +361,30 @@ class StageHost:
 
 
 def weights_from_chunks(chunks: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Rebuild a state dict from :meth:`StageHost.weights_stream` chunks (dtype/shape/length checked)."""
-    out = {}
+    """Rebuild a state dict from :meth:`StageHost.weights_stream` chunks (pieces in order; all checked)."""
+    parts: dict[str, tuple[str, list, bytearray]] = {}
     for chunk in chunks:
-        tensors = chunk.get("tensors")
-        if not isinstance(tensors, dict):
-            raise WireError("weight chunk without tensors")
-        for name, spec in tensors.items():
-            if not isinstance(spec, list) or len(spec) != 3:
-                raise WireError(f"weight {name!r}: malformed entry")
-            dtype, shape, data = spec
-            if isinstance(shape, list) and len(shape) == 0:  # scalars
-                shape = [1]
-                out[name] = tensor_from_bytes(data, dtype, shape).reshape(())
-            else:
-                out[name] = tensor_from_bytes(data, dtype, shape)
+        pieces = chunk.get("pieces")
+        if not isinstance(pieces, list):
+            raise WireError("weight chunk without pieces")
+        for entry in pieces:
+            if not isinstance(entry, list) or len(entry) != 5:
+                raise WireError("weight piece: malformed entry")
+            name, dtype, shape, data, offset = entry
+            if not isinstance(name, str) or not isinstance(data, bytes) or not isinstance(offset, int):
+                raise WireError(f"weight piece {name!r}: malformed entry")
+            if name not in parts:
+                parts[name] = (dtype, shape, bytearray())
+            held = parts[name]
+            if held[0] != dtype or held[1] != shape or offset != len(held[2]):
+                raise WireError(f"weight {name!r}: piece out of order or inconsistent")
+            held[2].extend(data)
+    out = {}
+    for name, (dtype, shape, data) in parts.items():
+        if isinstance(shape, list) and len(shape) == 0:  # scalars
+            out[name] = tensor_from_bytes(bytes(data), dtype, [1]).reshape(())
+        else:
+            out[name] = tensor_from_bytes(bytes(data), dtype, shape)
     return out
 
 
