@@ -69,6 +69,11 @@ VARIANTS: dict[str, list[str]] = {
     "m95_mean_ap_dp": ["mask.ratio=0.95", "mask.fill=mean", *AP, *DP, "anchor.snapshot=dp"],
     "m90_mean": ["mask.ratio=0.9", "mask.fill=mean"],
     "m75": ["mask.ratio=0.75"],
+    # rotated low-bit quantisation (mask.codec = rotq): every channel at 4 / 2 / 1 bits, centred
+    "rotq4": ["mask.codec=rotq", "mask.bits=4"],
+    "rotq2": ["mask.codec=rotq", "mask.bits=2"],
+    "rotq1": ["mask.codec=rotq", "mask.bits=1"],
+    "rotq2_dp": ["mask.codec=rotq", "mask.bits=2", *DP],
     "m75_mean": ["mask.ratio=0.75", "mask.fill=mean"],
 }
 TABLE = ["dense", "dense_dp", "m90", "m90_ap", "m95", "m95_ap", "m95_ap_dp", "topk", "int8"]

@@ -9,7 +9,7 @@ import msgpack
 import pytest
 import torch
 
-from meshnode.compression import BoundaryContext, DenseCodec, MaskCodec, MaskKey
+from meshnode.compression import BoundaryContext, DenseCodec, MaskCodec, MaskKey, RotQuantCodec
 from meshnode.protocol import keys
 from meshnode.protocol.limits import Limits
 from meshnode.protocol.messages import (
@@ -49,8 +49,8 @@ def _parse(req):
     return parse_forward(unpack(pack(req), LIMITS.max_message_bytes), LIMITS, run="r", stage=1, mask_version=0)
 
 
-def test_round_trip_dense_and_mask():
-    for codec in (DenseCodec("bfloat16"), MaskCodec(0.9, wire_dtype="float16")):
+def test_round_trip_dense_mask_rotq():
+    for codec in (DenseCodec("bfloat16"), MaskCodec(0.9, wire_dtype="float16"), RotQuantCodec(2)):
         p = _payload(codec)
         req = _parse(_request(p))
         assert req.payload.shape == p.shape and req.payload.codec == p.codec

@@ -104,7 +104,9 @@ class MaskConfig:
     rescale: str = "none"  # none | inv_keep | rms
     fill: str = "zero"  # zero (the paper) | mean (dropped channels get the microbatch's channel mean)
     warmup_steps: int = 0
-    codec: str = "mask"  # mask | topk | int8 | int4 | dense  (baselines for the quality table)
+    codec: str = "mask"  # mask | topk | int8 | int4 | rotq | dense  (rotq: rotated low-bit, see compression)
+    bits: int = 2  # rotq: bits per channel (1 | 2 | 4)
+    rotq_center: bool = True  # rotq: subtract the microbatch's channel means before quantising
     topk_ratio: float = 0.1  # fraction of channels kept by the top-k baseline
     wire_dtype: str = "bfloat16"  # bfloat16 | float16 | float32
     version: int = 0
@@ -187,7 +189,8 @@ class RunConfig:
 _CHOICES = {
     "mask.rescale": ("none", "inv_keep", "rms"),
     "mask.fill": ("zero", "mean"),
-    "mask.codec": ("mask", "topk", "int8", "int4", "dense"),
+    "mask.codec": ("mask", "topk", "int8", "int4", "rotq", "dense"),
+    "mask.bits": (1, 2, 4),
     "mask.wire_dtype": ("bfloat16", "float16", "float32"),
     "spectral.mode": ("filter", "clean_every", "delayed_ef", "bias_correction"),
     "spectral.ema_init": ("first", "zero"),
@@ -221,7 +224,7 @@ _NON_NEGATIVE = {
 
 def _check_value(key: str, value: Any) -> None:
     if key in _CHOICES and value not in _CHOICES[key]:
-        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(_CHOICES[key])}")
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, _CHOICES[key]))}")
     if key in _RANGES:
         low, high, inclusive = _RANGES[key]
         ok = low <= value <= high if inclusive else low <= value < high

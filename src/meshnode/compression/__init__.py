@@ -15,6 +15,7 @@ from .codec import (
     MaskCodec,
     PayloadError,
     QuantCodec,
+    RotQuantCodec,
     TopKCodec,
     gather_kept,
     make_codec,
@@ -26,10 +27,12 @@ from .codec import (
 from .mask import MaskKey, channel_hash, keep_indices, keep_mask, num_kept
 from .powersgd import PowerSGDState, compressed_rank, orthonormalize, powersgd_allreduce
 from .quant import dequantize_absmax, fake_quantize, pack_int4, quantize_absmax, quantized_nbytes, unpack_int4
+from .rotquant import ROTQ_BITS, rotation, rotq_decode, rotq_encode, rotq_nbytes
 
 __all__ = [
     "AXES", "HEADER_BYTES", "RESCALE_MODES", "WIRE_DTYPES", "BoundaryCodec", "BoundaryContext", "ByteCounter",
-    "DenseCodec", "EncodedPayload", "MaskCodec", "MaskKey", "PayloadError", "PowerSGDState", "QuantCodec",
+    "DenseCodec", "EncodedPayload", "MaskCodec", "MaskKey", "PayloadError", "PowerSGDState", "QuantCodec", "ROTQ_BITS",
+    "RotQuantCodec", "rotation", "rotq_decode", "rotq_encode", "rotq_nbytes",
     "TopKCodec", "channel_hash", "compressed_rank", "dequantize_absmax", "fake_quantize", "gather_kept",
     "keep_indices", "keep_mask", "make_codec", "masked_boundary", "num_kept", "orthonormalize", "pack_int4",
     "payload_bytes", "powersgd_allreduce", "quantize_absmax", "quantized_nbytes", "rms_scale", "scatter_kept",

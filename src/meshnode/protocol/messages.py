@@ -34,7 +34,7 @@ PROTOCOL_VERSION = 1
 HEADER_LEN = 8
 BYTEORDER = "big"
 
-ALLOWED_CODECS = ("dense", "mask", "topk", "int8", "int4")
+ALLOWED_CODECS = ("dense", "mask", "topk", "int8", "int4", "rotq")
 ALLOWED_KINDS = ("activation", "grad")
 DENSE_DTYPES = ("float32", "bfloat16", "float16")
 TENSOR_DTYPES: dict[str, torch.dtype] = {

@@ -1,0 +1,144 @@
+"""Rotated low-bit quantisation: the rotation, bit packing, error against the Gaussian quantiser's, outliers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshnode.compression import (
+    HEADER_BYTES,
+    ByteCounter,
+    EncodedPayload,
+    PayloadError,
+    QuantCodec,
+    RotQuantCodec,
+    make_codec,
+    rotation,
+    rotq_decode,
+    rotq_encode,
+    simulate_transfer,
+)
+from meshnode.compression.rotquant import pack_codes, packed_width, unpack_codes
+from meshnode.config import ConfigError, MaskConfig, load_config
+
+# relative mean squared error of the MSE-optimal uniform quantiser on a unit Gaussian (Max 1960)
+GAUSS_MSE = {1: 0.3634, 2: 0.1188, 4: 0.01154}
+
+
+def _gauss(b=4, t=64, h=576, seed=0):
+    return torch.randn(b, t, h, generator=torch.Generator().manual_seed(seed))
+
+
+def _rel_mse(y, x):
+    return float((y - x).pow(2).sum() / x.pow(2).sum())
+
+
+@pytest.mark.parametrize("hidden", [576, 256, 96, 7, 1])
+def test_rotation_is_orthogonal_and_mixes_every_channel(hidden):
+    r = rotation(hidden)
+    assert r.shape == (hidden, hidden)
+    assert torch.allclose(r @ r.T, torch.eye(hidden), atol=1e-5)
+    if hidden > 1:  # a one-hot input (a single huge channel) is spread over every coordinate
+        assert bool((r[:, 0].abs() > 0).all())
+        assert float(r.abs().max()) <= 1.5 / hidden**0.5
+    assert torch.equal(rotation(hidden), r)  # deterministic
+    assert not torch.equal(rotation(hidden, seed=1), r) or hidden == 1
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("hidden", [576, 13])
+def test_pack_round_trip(bits, hidden):
+    q = torch.randint(0, 1 << bits, (3, 5, hidden), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    packed = pack_codes(q, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 5, packed_width(hidden, bits))
+    assert packed.shape[-1] == -(-hidden * bits // 8)
+    assert torch.equal(unpack_codes(packed, bits, hidden), q)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_error_matches_the_gaussian_quantiser(bits):
+    x = _gauss()
+    codes, rms = rotq_encode(x, bits)
+    y = rotq_decode(codes, rms, bits, 576)
+    assert GAUSS_MSE[bits] * 0.85 < _rel_mse(y, x) < GAUSS_MSE[bits] * 1.15
+
+
+def test_outlier_channels_cost_rotq_little_and_absmax_a_lot():
+    x = _gauss()
+    x[..., 5] *= 80.0  # a "massive activation" channel
+    x[..., 300] += 40.0
+    rot = RotQuantCodec(4, center=False, wire_dtype="float32")
+    absmax = QuantCodec(4)
+    e_rot = _rel_mse(rot.decode(rot.encode(x)), x)
+    e_abs = _rel_mse(absmax.decode(absmax.encode(x)), x)
+    assert e_rot < 0.02 and e_abs > 5 * e_rot
+    # error on the ordinary channels, which the outlier's scale swamps in absmax
+    rest = torch.ones(576, dtype=torch.bool)
+    rest[[5, 300]] = False
+    e_rot_rest = _rel_mse(rot.decode(rot.encode(x))[..., rest], x[..., rest])
+    e_abs_rest = _rel_mse(absmax.decode(absmax.encode(x))[..., rest], x[..., rest])
+    assert e_abs_rest > 5 * e_rot_rest
+
+
+def test_centring_removes_constant_channels_from_the_error():
+    x = _gauss()
+    x[..., :8] += 50.0  # nearly constant large channels
+    plain = RotQuantCodec(2, center=False, wire_dtype="float32")
+    centred = RotQuantCodec(2, center=True, wire_dtype="float32")
+    e_plain = _rel_mse(plain.decode(plain.encode(x)), x)
+    e_centred = _rel_mse(centred.decode(centred.encode(x)), x)
+    assert e_centred < 0.5 * e_plain
+    # centring is exact for a constant input: only the mean's wire rounding remains
+    const = torch.full((2, 4, 576), 3.25)
+    assert torch.equal(centred.decode(centred.encode(const)), const)
+
+
+def test_exchange_bytes_gradient_and_dtype():
+    codec = make_codec(MaskConfig(codec="rotq", bits=2))
+    assert isinstance(codec, RotQuantCodec) and codec.bits == 2 and codec.center
+    counter = ByteCounter()
+    x = _gauss(b=2, t=32).requires_grad_()
+    y = simulate_transfer(codec, x, counter=counter)
+    assert y.dtype == x.dtype
+    g = _gauss(b=2, t=32, seed=1)
+    y.backward(g)
+    assert GAUSS_MSE[2] * 0.85 < _rel_mse(x.grad, g) < GAUSS_MSE[2] * 1.15  # the gradient is quantised too
+    snap = counter.snapshot()
+    fwd, bwd = 2 * 32 * (144 + 4) + 576 * 2, 2 * 32 * (144 + 4)  # codes + rms per token, + channel means forward
+    assert snap["pp_fwd"] == fwd + HEADER_BYTES and codec.forward_nbytes(2, 32, 576) == fwd
+    assert snap["pp_bwd"] == bwd + HEADER_BYTES and codec.backward_nbytes(2, 32, 576) == bwd
+
+
+def _replace(payload, **tensors):
+    return EncodedPayload(**{**payload.__dict__, "tensors": {**payload.tensors, **tensors}})
+
+
+def test_bad_payloads_are_refused():
+    codec = RotQuantCodec(2)
+    p = codec.encode(_gauss(b=1, t=4, h=64))
+    with pytest.raises(PayloadError, match="bits"):
+        RotQuantCodec(4).decode(p)
+    with pytest.raises(PayloadError, match="non-finite"):
+        codec.decode(_replace(p, rms=torch.full((1, 4), float("nan"))))
+    with pytest.raises(PayloadError, match="negative"):
+        codec.decode(_replace(p, rms=-p.tensors["rms"]))
+    with pytest.raises(PayloadError, match="codes"):
+        codec.decode(_replace(p, codes=p.tensors["codes"][..., :-1]))
+    with pytest.raises(PayloadError, match="tensors"):
+        no_mean = {"codes": p.tensors["codes"], "rms": p.tensors["rms"]}
+        codec.decode(EncodedPayload(**{**p.__dict__, "tensors": no_mean}))
+    with pytest.raises(PayloadError, match="activation"):
+        codec.decode_grad(p)
+    with pytest.raises(ValueError, match="bits"):
+        RotQuantCodec(3)
+
+
+def test_config_keys():
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
+    cfg = load_config(tiny, ["mask.codec=rotq", "mask.bits=4", "mask.rotq_center=false"])
+    codec = make_codec(cfg.mask)
+    assert codec.bits == 4 and not codec.center
+    with pytest.raises(ConfigError, match="mask.bits"):
+        load_config(tiny, ["mask.codec=rotq", "mask.bits=3"])
