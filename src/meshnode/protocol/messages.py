@@ -177,7 +177,10 @@ def payload_from_wire(body: Any, limits: Limits, kind: str) -> EncodedPayload:
         if not isinstance(spec, list) or len(spec) != 2:
             raise WireError(f"tensor spec of {name!r} must be [dtype, shape]")
         tt = tensor_from_bytes(data[name], spec[0], spec[1])
-        if tt.shape[0] != b or (tt.dim() > 1 and tt.shape[1] != t) or (tt.dim() > 2 and tt.shape[2] > h):
+        per_channel = tt.dim() == 1 and tt.shape[0] == h  # (H,): channel means (mask fill = mean, rotq)
+        if not per_channel and (
+            tt.shape[0] != b or (tt.dim() > 1 and tt.shape[1] != t) or (tt.dim() > 2 and tt.shape[2] > h)
+        ):
             raise WireError(f"tensor {name!r} of shape {list(tt.shape)} does not fit the dense shape {shape}")
         tensors[name] = tt
     return EncodedPayload(
