@@ -50,7 +50,8 @@ def _parse(req):
 
 
 def test_round_trip_dense_mask_rotq():
-    codecs = (DenseCodec("bfloat16"), MaskCodec(0.9, wire_dtype="float16"), MaskCodec(0.9, fill="mean"), RotQuantCodec(2))
+    codecs = (DenseCodec("bfloat16"), MaskCodec(0.9, wire_dtype="float16"), MaskCodec(0.9, fill="mean"),
+              RotQuantCodec(2))
     for codec in codecs:
         p = _payload(codec)
         req = _parse(_request(p))
