@@ -1,0 +1,425 @@
+r"""Event-level cost model of the swarm: the nested chain, the step gate and fair-shared links, simulated.
+
+:func:`meshnode.perf.predict_tokens_per_s` is closed-form: a steady-state pipeline with a fill-and-drain
+term per step. On emulated links it over-predicted by 19-37 % (``docs/throughput.md``), because the
+swarm does not pipeline the way that formula assumes: a driver sends its ``m`` microbatches of a step
+at once, and TCP shares every access link fairly between the flows on it, so they cross each hop
+together and then queue for compute. This module replays that schedule instead of summarising it.
+
+What is simulated (pure Python, no torch, deterministic):
+
+* **Peers.** ``R_s`` replicas of stage ``s``; the ``R_0`` replicas of stage 0 are the drivers. Every peer
+  has a full-duplex access link (``bandwidth_bps`` each way) and one compute thread (a FIFO executor,
+  as :class:`meshnode.node.host.StageHost`).
+* **Links.** Every transfer is a flow from one peer's uplink to another's downlink. Messages between one
+  pair of peers share one connection and go in order (libp2p multiplexes all streams of a peer pair
+  over one TCP connection; a message is written whole); the active messages of different connections
+  get max-min fair rates (progressive filling) over the uplink and downlink capacities, re-rated
+  whenever one starts or ends. A message is delivered ``latency_s`` after its last byte leaves.
+* **The nested chain** (``docs/swarm.md``). A driver computes the forward of each of its ``m``
+  microbatches and sends each to a stage-1 peer, chosen as the one with the fewest of this sender's
+  microbatches in flight (ties round robin: the swarm's routing breaks them at random). Stage ``s``
+  forwards, sends on, and when the gradient comes back runs its backward and replies upstream. The
+  last stage runs forward and backward back to back.
+* **The step gate.** A replica steps its optimizer after ``m`` completed backward passes, once nothing is
+  in flight on it; forwards that arrive meanwhile wait. A driver starts its next step when all ``m``
+  of its microbatches are back and it has stepped.
+* **DP** (``dp_inner_steps`` > 0). After every ``dp_inner_steps``-th optimizer step a replica syncs: the
+  replicas of its stage meet (the sync starts when the last of them arrives, plus ``dp_matchmaking_s``),
+  then each sends ``2 (R-1)/R`` of ``dp_bytes[s]`` to the others and receives as much. A replica whose
+  partners do not come within ``dp_timeout_s`` syncs alone (no bytes). With
+  ``dp_blocking`` the replica's gate stays closed until its sync is done (``node/dp.py`` before
+  ``dp.overlap``); without it the sync's flows only compete for bandwidth.
+* **Anchor.** Every ``anchor_period`` steps of driver 0, an anchor peer (its own link) pulls
+  ``snapshot_bytes[s]`` from replica 0 of every stage and sends ``prior_bytes[s]`` to every replica of
+  stage ``s``.
+
+Tokens/s is measured as in the benchmark: the drivers' tokens of the steps that *end* inside a window
+after ``warmup_steps``, over that window.
+
+Not simulated: CPU contention between peers on one machine, TCP slow start and loss recovery, RPC
+framing beyond the byte counts given, stragglers. These are what the measured error still contains.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SimStage:
+    """Per microbatch: compute seconds forward and backward, bytes sent forward (to ``s+1``) and back (to ``s-1``)."""
+
+    fwd_s: float
+    bwd_s: float
+    fwd_bytes: float  # activation payload to the next stage (ignored on the last)
+    bwd_bytes: float  # gradient payload to the previous stage (ignored on stage 0)
+    step_s: float = 0.0  # the optimizer step
+
+
+@dataclass(frozen=True, slots=True)
+class SimSpec:
+    stages: Sequence[SimStage]
+    replicas: Sequence[int]  # per stage; stage 0's replicas are the drivers
+    microbatches: int  # m per optimizer step (a driver sends all of them at once)
+    tokens_per_microbatch: int
+    bandwidth_bps: float  # each way, per peer (goodput)
+    latency_s: float  # one way
+    dp_inner_steps: int = 0  # 0 = no DP
+    dp_bytes: Sequence[float] = ()  # per replica and sync (the whole buffer, all rounds)
+    dp_blocking: bool = True
+    dp_matchmaking_s: float = 0.0
+    dp_timeout_s: float = 15.0  # a replica waits this long for its partners, then syncs alone (node/dp.py)
+    anchor_period: int = 0  # 0 = no anchor
+    snapshot_bytes: Sequence[float] = ()  # per stage and anchor cycle, from replica 0 of the stage
+    prior_bytes: Sequence[float] = ()  # per stage and cycle, to every replica of the stage
+    steps: int = 24  # driver steps simulated
+    warmup_steps: int = 4
+
+    def __post_init__(self) -> None:
+        if len(self.stages) != len(self.replicas) or not self.stages:
+            raise ValueError("stages and replicas must have one entry per stage")
+        if any(r < 1 for r in self.replicas) or self.microbatches < 1:
+            raise ValueError("every stage needs a replica and a step at least one microbatch")
+        if self.bandwidth_bps <= 0 or self.latency_s < 0:
+            raise ValueError("bandwidth must be > 0 and latency >= 0")
+        if self.steps <= self.warmup_steps + 1:
+            raise ValueError("simulate more steps than the warm-up + 1")
+
+
+@dataclass(slots=True)
+class SimResult:
+    tokens_per_s: float
+    step_s: float  # mean driver step time in the window
+    link_utilisation: dict[str, float]  # per peer: bytes sent / (window x capacity)
+    busy_fraction: dict[str, float]  # per peer: compute seconds / window
+    sim_time_s: float
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine: an event queue, fair-shared flows, FIFO compute
+
+
+@dataclass(eq=False)
+class _Flow:
+    src: int
+    dst: int
+    left: float  # bytes
+    done: Callable[[], None]
+    rate: float = 0.0
+
+
+@dataclass(eq=False)
+class _Peer:
+    name: str
+    stage: int
+    index: int
+    queue: list = field(default_factory=list)  # pending (seconds, callback)
+    busy: bool = False
+    compute_s: float = 0.0
+    sent: float = 0.0
+    # the step gate
+    active: int = 0
+    done: int = 0
+    step_due: bool = False
+    stepping: bool = False
+    waiting: list = field(default_factory=list)  # callbacks of forwards held at the gate
+    opt_step: int = 0
+    inflight_to: dict = field(default_factory=dict)  # next-stage peer id -> microbatches in flight
+    pending: dict = field(default_factory=dict)  # next-stage peer id -> backward callbacks, oldest first
+    rr: int = 0
+
+
+class _Sim:
+    def __init__(self, spec: SimSpec):
+        self.spec = spec
+        self.now = 0.0
+        self.events: list = []
+        self.seq = 0
+        self.flows: list[_Flow] = []
+        self.conns: dict[tuple[int, int], list[_Flow]] = {}  # per connection: messages, the active one first
+        self.flow_version = 0
+        self.cap = spec.bandwidth_bps / 8.0  # bytes/s
+        self.peers: list[_Peer] = []
+        self.by_stage: list[list[int]] = []
+        for s, r in enumerate(spec.replicas):
+            ids = []
+            for i in range(r):
+                ids.append(len(self.peers))
+                self.peers.append(_Peer(f"s{s}r{i}", s, i))
+            self.by_stage.append(ids)
+        self.anchor = None
+        if spec.anchor_period > 0:
+            self.anchor = len(self.peers)
+            self.peers.append(_Peer("anchor", -1, 0))
+        self.driver_steps: dict[int, list[float]] = {d: [] for d in self.by_stage[0]}
+        self.dp_groups: dict[tuple[int, int], dict] = {}
+
+    # -- events
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, fn))
+
+    def run(self, until: Callable[[], bool], horizon: float = 1e9) -> None:
+        while self.events and not until():
+            t, _, fn = heapq.heappop(self.events)
+            if t > horizon:
+                break
+            self._advance(t)
+            fn()
+
+    # -- links
+    def _advance(self, t: float) -> None:
+        dt = t - self.now
+        if dt > 0:
+            for f in self.flows:
+                moved = f.rate * dt
+                f.left -= moved
+                self.peers[f.src].sent += moved
+        self.now = t
+
+    def send(self, src: int, dst: int, nbytes: float, delivered: Callable[[], None]) -> None:
+        """Queue ``nbytes`` on the connection src -> dst; ``delivered`` runs when the last byte has arrived.
+
+        Messages between one pair of peers share one connection (libp2p multiplexes its streams over one
+        TCP connection) and go first in, first out; different connections share the links fairly.
+        """
+        if nbytes <= 0:
+            self.at(self.now + self.spec.latency_s, delivered)
+            return
+        lat = self.spec.latency_s
+        key = (src, dst)
+        queue = self.conns.setdefault(key, [])
+
+        def finished():
+            queue.pop(0)
+            self.at(self.now + lat, delivered)
+            if queue:
+                self.flows.append(queue[0])  # the next message on this connection (re-rated by the caller)
+
+        queue.append(_Flow(src, dst, float(nbytes), finished))
+        if len(queue) == 1:
+            self.flows.append(queue[0])
+            self._rerate()
+
+    def _rerate(self) -> None:
+        """Max-min fair rates by progressive filling over uplinks and downlinks."""
+        done = [f for f in self.flows if f.left <= 1e-9]
+        self.flows = [f for f in self.flows if f.left > 1e-9]
+        for f in done:
+            f.done()  # may start the next message of its connection
+        flows = self.flows
+        left = {("u", f.src): self.cap for f in flows} | {("d", f.dst): self.cap for f in flows}
+        unfixed = set(flows)
+        for f in flows:
+            f.rate = 0.0
+        while unfixed:
+            counts: dict = {}
+            for f in unfixed:
+                for r in (("u", f.src), ("d", f.dst)):
+                    counts[r] = counts.get(r, 0) + 1
+            res, share = min(((r, left[r] / n) for r, n in counts.items()), key=lambda x: x[1])
+            for f in [f for f in unfixed if ("u", f.src) == res or ("d", f.dst) == res]:
+                f.rate = share
+                unfixed.discard(f)
+                left[("u", f.src)] -= share
+                left[("d", f.dst)] -= share
+        self.flow_version += 1
+        version = self.flow_version
+        if flows:
+            t_next = min(f.left / f.rate for f in flows if f.rate > 0)
+            self.at(self.now + t_next, lambda: self._flows_tick(version))
+
+    def _flows_tick(self, version: int) -> None:
+        if version == self.flow_version:
+            for f in self.flows:
+                if f.left <= f.rate * 1e-9 + 1e-6:
+                    f.left = 0.0
+            self._rerate()
+
+    # -- compute (one FIFO thread per peer)
+    def compute(self, p: int, seconds: float, then: Callable[[], None]) -> None:
+        peer = self.peers[p]
+        peer.queue.append((seconds, then))
+        if not peer.busy:
+            self._next_compute(p)
+
+    def _next_compute(self, p: int) -> None:
+        peer = self.peers[p]
+        if not peer.queue:
+            peer.busy = False
+            return
+        seconds, then = peer.queue.pop(0)
+        peer.busy = True
+        peer.compute_s += seconds
+
+        def finish():
+            then()
+            self._next_compute(p)
+
+        self.at(self.now + seconds, finish)
+
+    # -- the chain
+    def start_step(self, d: int) -> None:
+        peer = self.peers[d]
+        peer.done = 0
+        peer.active = self.spec.microbatches
+        for _ in range(self.spec.microbatches):
+            self.compute(d, self.spec.stages[0].fwd_s, lambda d=d: self.forward_done(d, None))
+
+    def arrive(self, p: int, sender: int) -> None:
+        """A forward reaches peer ``p`` (stage >= 1) from ``sender``."""
+        peer = self.peers[p]
+        if peer.step_due or peer.stepping:
+            peer.waiting.append(lambda: self.arrive(p, sender))
+            return
+        peer.active += 1
+        st = self.spec.stages[peer.stage]
+        if peer.stage == len(self.spec.stages) - 1:
+            self.compute(p, st.fwd_s + st.bwd_s, lambda: self.backward_done(p, sender))
+        else:
+            self.compute(p, st.fwd_s, lambda: self.forward_done(p, sender))
+
+    def forward_done(self, p: int, sender: int | None) -> None:
+        peer = self.peers[p]
+        nxt = self.by_stage[peer.stage + 1]
+        rr = peer.rr = peer.rr + 1  # ties: round robin (the swarm breaks them at random)
+        target = min(nxt, key=lambda q: (peer.inflight_to.get(q, 0), (q + rr) % len(nxt)))
+        peer.inflight_to[target] = peer.inflight_to.get(target, 0) + 1
+        self.send(p, target, self.spec.stages[peer.stage].fwd_bytes, lambda: self.arrive(target, p))
+
+        def grad_back(p=p, target=target, sender=sender):
+            peer.inflight_to[target] -= 1
+            self.compute(p, self.spec.stages[peer.stage].bwd_s, lambda: self.backward_done(p, sender))
+
+        peer.pending.setdefault(target, []).append(grad_back)
+
+    def backward_done(self, p: int, sender: int | None) -> None:
+        peer = self.peers[p]
+        if sender is not None:
+            up = self.peers[sender]
+            self.send(p, sender, self.spec.stages[peer.stage].bwd_bytes, lambda: up.pending[p].pop(0)())
+        peer.active -= 1
+        peer.done += 1
+        if peer.stage == 0:
+            if peer.done == self.spec.microbatches:
+                self.compute(p, self.spec.stages[0].step_s, lambda: self.stepped(p))
+            return
+        if peer.done >= self.spec.microbatches:
+            peer.step_due = True
+        self.maybe_step(p)
+
+    def maybe_step(self, p: int) -> None:
+        peer = self.peers[p]
+        if peer.step_due and peer.active == 0 and not peer.stepping:
+            peer.stepping = True
+            self.compute(p, self.spec.stages[peer.stage].step_s, lambda: self.stepped(p))
+
+    def stepped(self, p: int) -> None:
+        peer = self.peers[p]
+        peer.opt_step += 1
+        h = self.spec.dp_inner_steps
+        if h > 0 and self.spec.replicas[peer.stage] > 1 and peer.opt_step % h == 0:
+            self.dp_sync(p, peer.opt_step)
+            if self.spec.dp_blocking:
+                return  # the gate opens when the sync is done
+        self.open_gate(p)
+
+    def open_gate(self, p: int) -> None:
+        peer = self.peers[p]
+        if peer.stage == 0:
+            self.driver_steps[p].append(self.now)
+            if p == self.by_stage[0][0] and self.anchor is not None and peer.opt_step % self.spec.anchor_period == 0:
+                self.anchor_cycle()
+            if len(self.driver_steps[p]) < self.spec.steps:
+                self.start_step(p)
+            return
+        peer.stepping = False
+        peer.step_due = False
+        peer.done = 0
+        waiting, peer.waiting = peer.waiting, []
+        for cb in waiting:
+            cb()
+
+    def dp_sync(self, p: int, step: int) -> None:
+        """Peer ``p`` is ready for its DP sync after ``step``: wait for the stage's other replicas (at most
+        ``dp_timeout_s``, then alone, as the averager's group of one), then exchange."""
+        peer = self.peers[p]
+        key = (peer.stage, step)
+        state = self.dp_groups.setdefault(key, {"waiting": [], "left": set(), "formed": False})
+        group = self.by_stage[peer.stage]
+        state["waiting"].append(p)
+        blocking = self.spec.dp_blocking
+
+        def alone(q=p):
+            if not state["formed"] and q in state["waiting"]:
+                state["waiting"].remove(q)
+                state["left"].add(q)
+                if blocking:
+                    self.open_gate(q)
+
+        if len(state["waiting"]) + len(state["left"]) < len(group):
+            self.at(self.now + self.spec.dp_timeout_s, alone)
+            return
+        members = list(state["waiting"])
+        state["formed"] = True
+        if len(members) < 2:
+            for q in members:
+                if blocking:
+                    self.open_gate(q)
+            return
+        r = len(members)
+        share = 2 * (r - 1) / r * self.spec.dp_bytes[peer.stage] / (r - 1)  # to each other member
+
+        def exchange():
+            pending = {q: r - 1 for q in members}
+
+            def got(q):
+                pending[q] -= 1
+                if pending[q] == 0 and blocking:
+                    self.open_gate(q)
+
+            for a in members:
+                for b in members:
+                    if a != b:
+                        self.send(a, b, share, lambda b=b: got(b))
+
+        self.at(self.now + self.spec.dp_matchmaking_s, exchange)
+
+    def anchor_cycle(self) -> None:
+        a = self.anchor
+        for s, ids in enumerate(self.by_stage):
+            snap = self.spec.snapshot_bytes[s] if s < len(self.spec.snapshot_bytes) else 0.0
+            prior = self.spec.prior_bytes[s] if s < len(self.spec.prior_bytes) else 0.0
+            self.send(ids[0], a, snap, lambda: None)
+            for q in ids:
+                self.send(a, q, prior, lambda: None)
+
+
+def simulate(spec: SimSpec) -> SimResult:
+    """Run the schedule for ``spec.steps`` driver steps; tokens/s over the steps after the warm-up."""
+    sim = _Sim(spec)
+    for d in sim.by_stage[0]:
+        sim.start_step(d)
+    sim.run(lambda: all(len(v) >= spec.steps for v in sim.driver_steps.values()))
+    ends = sim.driver_steps
+    if any(len(v) < spec.steps for v in ends.values()):
+        raise RuntimeError("the simulated swarm stalled (a DP group or gate never completed)")
+    t0 = max(v[spec.warmup_steps - 1] if spec.warmup_steps else 0.0 for v in ends.values())
+    t1 = min(v[-1] for v in ends.values())
+    steps = sum(sum(1 for t in v if t0 < t <= t1) for v in ends.values())
+    window = max(t1 - t0, 1e-12)
+    tokens = steps * spec.microbatches * spec.tokens_per_microbatch
+    per_driver = [(v[-1] - v[spec.warmup_steps]) / (len(v) - 1 - spec.warmup_steps) for v in ends.values()]
+    return SimResult(
+        tokens_per_s=tokens / window,
+        step_s=sum(per_driver) / len(per_driver),
+        link_utilisation={p.name: p.sent / (sim.now * sim.cap) for p in sim.peers} if sim.now > 0 else {},
+        busy_fraction={p.name: p.compute_s / sim.now for p in sim.peers} if sim.now > 0 else {},
+        sim_time_s=sim.now,
+    )
+
+
+__all__ = ["SimResult", "SimSpec", "SimStage", "simulate"]

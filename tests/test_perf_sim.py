@@ -1,0 +1,86 @@
+"""The event-level cost model against schedules worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshnode.perf_sim import SimSpec, SimStage, simulate
+
+T = 100  # tokens per microbatch
+
+
+def _spec(stages, replicas=None, **kw):
+    kw.setdefault("bandwidth_bps", 8e3)  # 1000 bytes/s
+    kw.setdefault("latency_s", 0.0)
+    kw.setdefault("microbatches", 1)
+    kw.setdefault("steps", 8)
+    kw.setdefault("warmup_steps", 2)
+    return SimSpec(stages=stages, replicas=replicas or [1] * len(stages), tokens_per_microbatch=T, **kw)
+
+
+def test_comm_bound_one_microbatch():
+    # 500 B forward at 1000 B/s, 250 B back: a step is 0.75 s
+    r = simulate(_spec([SimStage(0, 0, 500, 0), SimStage(0, 0, 0, 250)]))
+    assert r.step_s == pytest.approx(0.75)
+    assert r.tokens_per_s == pytest.approx(T / 0.75)
+
+
+def test_compute_bound_schedule():
+    # driver: fwd 1, bwd 2 per microbatch; stage 1: fwd 1 + bwd 2. Two microbatches:
+    # driver fwd 0-1, 1-2; stage 1 runs mb0 1-4, mb1 4-7; driver bwd mb0 4-6, mb1 7-9 -> step 9 s
+    r = simulate(_spec([SimStage(1, 2, 0, 0), SimStage(1, 2, 0, 0)], microbatches=2))
+    assert r.step_s == pytest.approx(9.0)
+    assert r.tokens_per_s == pytest.approx(2 * T / 9.0)
+    assert r.busy_fraction["s1r0"] == pytest.approx(6 / 9, rel=0.05)
+
+
+def test_latency_bound():
+    r = simulate(_spec([SimStage(0, 0, 0, 0)] * 3, latency_s=0.1, microbatches=4))
+    assert r.step_s == pytest.approx(4 * 0.1)  # two hops down, two back; all 4 microbatches together
+    assert r.tokens_per_s == pytest.approx(4 * T / 0.4)
+
+
+def test_one_connection_is_first_in_first_out():
+    # two 1000 B messages to the one stage-1 peer: they go one after the other (1 s, 2 s), so the
+    # first microbatch's 1 s of stage-1 compute overlaps the second's transfer: step = 2 + 1 = 3 s
+    r = simulate(_spec([SimStage(0, 0, 1000, 0), SimStage(0.5, 0.5, 0, 0)], microbatches=2))
+    assert r.step_s == pytest.approx(3.0)
+
+
+def test_two_connections_share_the_uplink_fairly():
+    # the driver sends one microbatch to each of two stage-1 peers: 500 B/s each, both arrive at 2 s,
+    # then 1 s of compute on each, in parallel
+    r = simulate(_spec([SimStage(0, 0, 1000, 0), SimStage(0.5, 0.5, 0, 0)], replicas=[1, 2], microbatches=2))
+    assert r.step_s == pytest.approx(3.0)
+    assert r.link_utilisation["s0r0"] == pytest.approx(2 / 3, rel=0.05)
+
+
+def test_dp_blocking_costs_the_matchmaking_and_overlap_does_not():
+    stages = [SimStage(0.5, 0.5, 0, 0), SimStage(0.5, 0.5, 0, 0)]
+    base = simulate(_spec(stages, replicas=[2, 2]))
+    assert base.step_s == pytest.approx(2.0)
+    kw = dict(replicas=[2, 2], dp_inner_steps=2, dp_bytes=[1000, 1000], dp_matchmaking_s=1.0)
+    blocking = simulate(_spec(stages, dp_blocking=True, **kw))
+    # every 2nd step each stage waits 1 s + 1000 B each way at 1000 B/s (and the stage-1 wait delays the driver)
+    assert blocking.step_s > base.step_s + 0.9
+    overlapped = simulate(_spec(stages, dp_blocking=False, **kw))
+    assert overlapped.step_s == pytest.approx(base.step_s)  # no pipeline bytes compete here
+
+
+@pytest.mark.parametrize("bw", [2e3, 8e3, 32e3])
+def test_more_bandwidth_or_less_compute_never_slows_down(bw):
+    def tps(bandwidth, c):
+        stages = [SimStage(c, 2 * c, 300, 0), SimStage(c, 2 * c, 0, 300)]
+        return simulate(_spec(stages, replicas=[2, 2], microbatches=4, bandwidth_bps=bandwidth, latency_s=0.02)).tokens_per_s
+
+    assert tps(2 * bw, 0.1) >= tps(bw, 0.1) * (1 - 1e-9)
+    assert tps(bw, 0.05) >= tps(bw, 0.1) * (1 - 1e-9)
+
+
+def test_bad_specs_are_refused():
+    with pytest.raises(ValueError):
+        _spec([SimStage(0, 0, 0, 0)], replicas=[0])
+    with pytest.raises(ValueError):
+        _spec([SimStage(0, 0, 0, 0)], bandwidth_bps=0)
+    with pytest.raises(ValueError):
+        _spec([SimStage(0, 0, 0, 0)], steps=2, warmup_steps=2)
