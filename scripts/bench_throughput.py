@@ -55,11 +55,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from meshnode import perf  # noqa: E402
+from meshnode import perf, perf_sim  # noqa: E402
 
 logger = logging.getLogger("bench_throughput")
 
-VARIANTS = ("dense", "m95", "m95_ap", "m95_ap_dp", "topk", "int8")
+VARIANTS = ("dense", "m95", "m95_ap", "m95_ap_dp", "topk", "int8", "rotq2")
 TCP_GOODPUT = 1448 / 1514  # payload share of an MTU frame that tbf counts (netem.md)
 LABEL_BYTES = 2  # token ids travel with every forward payload as uint16 (byte-level vocabulary)
 DP_MATCHMAKING_S = 2.0  # node/dp.py: min_matchmaking_time of each of the 2 averaging rounds per sync
@@ -153,7 +153,8 @@ def time_scale(cpu_s: float, flops: float, bandwidth_mbit: float, delay_ms: floa
 
 
 def variant_overrides(variant: str, *, replicas: int, anchor_key: str, anchor_period: int = 10,
-                      dp_inner_steps: int = 10, dp_rank: int = 4, spectral_rank: int = 8) -> list[str]:
+                      dp_inner_steps: int = 10, dp_rank: int = 4, spectral_rank: int = 8,
+                      dp_overlap: bool = True) -> list[str]:
     """``--set`` overrides of one variant (the base config is BENCH_TOML)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
@@ -161,13 +162,15 @@ def variant_overrides(variant: str, *, replicas: int, anchor_key: str, anchor_pe
     out += {
         "dense": ["mask.ratio=0.0"], "m95": ["mask.ratio=0.95"], "m95_ap": ["mask.ratio=0.95"],
         "m95_ap_dp": ["mask.ratio=0.95"], "topk": ["mask.codec=\"topk\"", "mask.topk_ratio=0.1"],
-        "int8": ["mask.codec=\"int8\""],
+        "int8": ["mask.codec=\"int8\""], "rotq2": ["mask.codec=\"rotq\"", "mask.bits=2"],
     }[variant]
     if variant in ("m95_ap", "m95_ap_dp"):
         out += ["anchor.enabled=true", f"anchor.period={anchor_period}", "anchor.max_staleness=30",
                 f"spectral.rank={spectral_rank}", f"anchor.allowed_keys=[{json.dumps(anchor_key)}]"]
     if variant == "m95_ap_dp":
         out += ["dp.enabled=true", f"dp.inner_steps={dp_inner_steps}", f"dp.rank={dp_rank}"]
+        if dp_overlap:
+            out += ["dp.overlap=true", "dp.round_timeout=30.0"]
     return out
 
 
@@ -277,6 +280,31 @@ def wave_tokens_per_s(pred: perf.Prediction, bench: BenchModel, drivers: int, de
     return drivers * m * bench.tokens_per_microbatch / step
 
 
+FWD_SHARE = 1 / 3  # forward : backward compute = 1 : 2 (the backward computes two matmuls per forward one)
+
+
+def simulate_variant(variant: str, bench: BenchModel, replicas: int, compute_s: list[float], sizes: WireSizes,
+                     link_mbit: float, delay_ms: float, *, dp_inner_steps: int = 10, anchor_period: int = 10,
+                     dp_overlap: bool = True, steps: int = 30) -> perf_sim.SimResult:
+    """The event-level cost model (:mod:`meshnode.perf_sim`) of one variant of the benchmark swarm.
+
+    Same inputs as :func:`predict_variant`. DP: a sync's two averaging rounds each take at least
+    ``DP_MATCHMAKING_S`` of matchmaking; blocking unless the run used ``dp.overlap``.
+    """
+    dp_on = variant == "m95_ap_dp"
+    ap_on = variant in ("m95_ap", "m95_ap_dp")
+    stages = [perf_sim.SimStage(c * FWD_SHARE, c * (1 - FWD_SHARE), sizes.pp_fwd, sizes.pp_bwd) for c in compute_s]
+    spec = perf_sim.SimSpec(
+        stages=stages, replicas=[replicas] * bench.stages, microbatches=bench.microbatches,
+        tokens_per_microbatch=bench.tokens_per_microbatch, bandwidth_bps=link_mbit * 1e6 * TCP_GOODPUT,
+        latency_s=delay_ms / 1e3, dp_inner_steps=dp_inner_steps if dp_on else 0, dp_bytes=sizes.dp_per_sync,
+        dp_blocking=not dp_overlap, dp_matchmaking_s=2 * DP_MATCHMAKING_S,
+        anchor_period=anchor_period if ap_on else 0, snapshot_bytes=sizes.snapshot_per_cycle,
+        prior_bytes=sizes.prior_per_cycle, steps=steps, warmup_steps=4,
+    )
+    return perf_sim.simulate(spec)
+
+
 # ---------------------------------------------------------------------------------------------
 # Calibration: this machine's stage compute, payload sizes
 
@@ -338,7 +366,8 @@ def codec_sizes(variant: str, bench: BenchModel) -> tuple[float, float]:
     from meshnode.compression import HEADER_BYTES, make_codec
     from meshnode.config import MaskConfig
 
-    kw = {"dense": {"ratio": 0.0}, "topk": {"codec": "topk", "topk_ratio": 0.1}, "int8": {"codec": "int8"}}
+    kw = {"dense": {"ratio": 0.0}, "topk": {"codec": "topk", "topk_ratio": 0.1}, "int8": {"codec": "int8"},
+          "rotq2": {"codec": "rotq", "bits": 2}}
     codec = make_codec(MaskConfig(**kw.get(variant, {"ratio": 0.95})))
     b, t, h = bench.batch, bench.seq_len, bench.hidden
     fwd = codec.forward_nbytes(b, t, h) + HEADER_BYTES + LABEL_BYTES * b * t
@@ -416,7 +445,8 @@ def reshape_tbf(net, rate_mbit: float, delay_ms: float, mtu: int = 1500) -> dict
 
 
 def run_variant(net, variant: str, bench: BenchModel, replicas: int, workdir: Path, cache_dir: Path, *,
-                warmup_s: float, window_s: float, pin: bool, anchor_period: int, dp_inner_steps: int) -> dict:
+                warmup_s: float, window_s: float, pin: bool, anchor_period: int, dp_inner_steps: int,
+                dp_overlap: bool = True) -> dict:
     from meshnode.protocol import keys
 
     vdir = workdir / variant
@@ -428,7 +458,7 @@ def run_variant(net, variant: str, bench: BenchModel, replicas: int, workdir: Pa
     anchor_identity = vdir / "anchor.key"
     anchor_key = keys.public_key_string(keys.load_or_create_identity(anchor_identity))
     overrides = variant_overrides(variant, replicas=replicas, anchor_key=anchor_key, anchor_period=anchor_period,
-                                  dp_inner_steps=dp_inner_steps)
+                                  dp_inner_steps=dp_inner_steps, dp_overlap=dp_overlap)
     with_anchor = variant in ("m95_ap", "m95_ap_dp")
     ncores = os.cpu_count() or 1
     peers: list[Peer] = []
@@ -568,10 +598,22 @@ def repredict(result: dict) -> None:
         pred = predict_variant(v, bench, replicas, mi["compute_s_per_microbatch"], sz, link["rate_mbit_each_way"],
                                link["delay_ms_one_way"], dp_inner_steps=mi["dp_inner_steps"],
                                anchor_period=mi["anchor_period"])
-        r["predicted_tokens_per_s"] = pred.tokens_per_s
-        r["prediction_error_pct"] = 100 * (pred.tokens_per_s - r["tokens_per_s"]) / r["tokens_per_s"]
-        r["predicted_bottleneck"] = pred.bottleneck
-        r["predicted_wave_tokens_per_s"] = wave_tokens_per_s(pred, bench, replicas, link["delay_ms_one_way"])
+        sim = simulate_variant(v, bench, replicas, mi["compute_s_per_microbatch"], sz, link["rate_mbit_each_way"],
+                               link["delay_ms_one_way"], dp_inner_steps=mi["dp_inner_steps"],
+                               anchor_period=mi["anchor_period"], dp_overlap=mi.get("dp_overlap", False))
+        record_predictions(r, sim, pred, wave_tokens_per_s(pred, bench, replicas, link["delay_ms_one_way"]))
+
+
+def record_predictions(r: dict, sim: perf_sim.SimResult, pred: perf.Prediction, wave: float) -> None:
+    """The event-level model is the prediction; the closed form and the wave bound are kept beside it."""
+    measured = r["tokens_per_s"]
+    r["predicted_tokens_per_s"] = sim.tokens_per_s
+    r["prediction_error_pct"] = 100 * (sim.tokens_per_s - measured) / measured
+    r["predicted_link_utilisation"] = sim.link_utilisation
+    r["predicted_closed_form_tokens_per_s"] = pred.tokens_per_s
+    r["closed_form_error_pct"] = 100 * (pred.tokens_per_s - measured) / measured
+    r["predicted_bottleneck"] = pred.bottleneck
+    r["predicted_wave_tokens_per_s"] = wave
 
 
 def plot(result: dict, png: Path) -> None:
@@ -589,7 +631,7 @@ def plot(result: dict, png: Path) -> None:
     link = result["link"]
     bench = BenchModel(**result["model"])
     replicas = result["swarm"]["replicas_per_stage"]
-    xs = np.logspace(1, 4, 60)  # 10 Mbit/s .. 10 Gbit/s
+    xs = np.logspace(1, 4, 25)  # 10 Mbit/s .. 10 Gbit/s
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     colors = dict(zip(VARIANTS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     for v, r in result["variants"].items():
@@ -598,16 +640,17 @@ def plot(result: dict, png: Path) -> None:
         mi = r["model_inputs"]
         sz = WireSizes(mi["pp_fwd_bytes"], mi["pp_bwd_bytes"], mi["dp_per_sync"], mi["prior_per_cycle"],
                        mi["snapshot_per_cycle"])
-        ys = [predict_variant(v, bench, replicas, mi["compute_s_per_microbatch"], sz, x / ratio,
-                              link["delay_ms_one_way"], dp_inner_steps=mi["dp_inner_steps"],
-                              anchor_period=mi["anchor_period"]).tokens_per_s * ratio for x in xs]
+        ys = [simulate_variant(v, bench, replicas, mi["compute_s_per_microbatch"], sz, x / ratio,
+                               link["delay_ms_one_way"], dp_inner_steps=mi["dp_inner_steps"],
+                               anchor_period=mi["anchor_period"], dp_overlap=mi.get("dp_overlap", False),
+                               steps=16).tokens_per_s * ratio for x in xs]
         ax.plot(xs, ys, color=colors.get(v), label=f"{v} (model)")
         ax.scatter([link["rate_mbit_each_way"] * ratio], [r["tokens_per_s"] * ratio], color=colors.get(v),
                    edgecolor="black", zorder=5, s=50)
     ax.set(xscale="log", yscale="log", xlabel="GPU peer link, Mbit/s each way (emulated = x / ratio)",
            ylabel="GPU-equivalent tokens/s (measured x ratio)",
            title=f"benchmark swarm {bench.stages} stages x {replicas} (+ anchor), H={bench.hidden}, "
-                 f"time scale {ratio:.0f}x\nlines: cost model; dots: measured")
+                 f"time scale {ratio:.0f}x\nlines: event-level cost model (perf_sim); dots: measured")
     ax.axvline(200, color="grey", ls=":", lw=1)
     ax.legend(fontsize=8)
     for arch, ls in (("SmolLM2-135M", "--"), ("Llama-3.2-1B", "-")):
@@ -644,6 +687,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--anchor-period", type=int, default=10)
     ap.add_argument("--dp-inner-steps", type=int, default=10)
     ap.add_argument("--pin", action="store_true", help="taskset peer i to core i mod ncores")
+    ap.add_argument("--dp-blocking", action="store_true",
+                    help="m95_ap_dp syncs with the gate closed (dp.overlap = false), as before the overlap")
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "meshnode")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--out", type=Path, required=True)
@@ -697,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 res = run_variant(net, v, bench, args.replicas, workdir, args.cache_dir, warmup_s=args.warmup_s,
                                   window_s=args.window_s, pin=args.pin, anchor_period=args.anchor_period,
-                                  dp_inner_steps=args.dp_inner_steps)
+                                  dp_inner_steps=args.dp_inner_steps, dp_overlap=not args.dp_blocking)
             except Exception as exc:  # one failed variant must not lose the others
                 logger.error("%s failed: %s", v, exc)
                 results[v] = {"error": str(exc)}
@@ -705,19 +750,19 @@ def main(argv: list[str] | None = None) -> int:
             cmb = [res["compute_s_per_microbatch"].get(f"stage{s}", compute[s]) for s in range(bench.stages)]
             pred = predict_variant(v, bench, args.replicas, cmb, vs, rate, args.delay_ms,
                                    dp_inner_steps=args.dp_inner_steps, anchor_period=args.anchor_period)
-            res["predicted_tokens_per_s"] = pred.tokens_per_s
-            res["prediction_error_pct"] = 100 * (pred.tokens_per_s - res["tokens_per_s"]) / res["tokens_per_s"]
-            res["predicted_bottleneck"] = pred.bottleneck
-            res["predicted_wave_tokens_per_s"] = wave_tokens_per_s(pred, bench, args.replicas, args.delay_ms)
+            sim = simulate_variant(v, bench, args.replicas, cmb, vs, rate, args.delay_ms,
+                                   dp_inner_steps=args.dp_inner_steps, anchor_period=args.anchor_period,
+                                   dp_overlap=not args.dp_blocking)
+            record_predictions(res, sim, pred, wave_tokens_per_s(pred, bench, args.replicas, args.delay_ms))
             res["model_inputs"] = {"compute_s_per_microbatch": cmb, "pp_fwd_bytes": fwd, "pp_bwd_bytes": bwd,
                                    "dp_per_sync": vs.dp_per_sync, "prior_per_cycle": vs.prior_per_cycle,
                                    "snapshot_per_cycle": vs.snapshot_per_cycle, "dp_inner_steps": args.dp_inner_steps,
-                                   "anchor_period": args.anchor_period}
+                                   "anchor_period": args.anchor_period, "dp_overlap": not args.dp_blocking}
             res["link_utilisation"] = {
                 name: p["sent_bytes_per_s"] * 8 / (rate * 1e6) for name, p in res["peers"].items()}
             results[v] = res
             logger.info("%s: %.1f tok/s (predicted %.1f, %+.0f%%), bytes/token %.1f", v, res["tokens_per_s"],
-                        pred.tokens_per_s, res["prediction_error_pct"], res["bytes_per_token"]["total"])
+                        sim.tokens_per_s, res["prediction_error_pct"], res["bytes_per_token"]["total"])
             partial = {"variants": results}
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.with_suffix(".partial.json").write_text(json.dumps(partial, indent=1, default=str))

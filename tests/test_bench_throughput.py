@@ -42,7 +42,8 @@ def test_variant_overrides_are_valid_configs(variant):
     assert cfg.anchor.enabled == (variant in ("m95_ap", "m95_ap_dp"))
     assert cfg.dp.enabled == (variant == "m95_ap_dp")
     assert (cfg.mask.ratio == 0.95) == variant.startswith("m95")
-    assert cfg.mask.codec == {"topk": "topk", "int8": "int8"}.get(variant, "mask")
+    assert cfg.mask.codec == {"topk": "topk", "int8": "int8", "rotq2": "rotq"}.get(variant, "mask")
+    assert cfg.dp.overlap == (variant == "m95_ap_dp")
     with pytest.raises(ValueError):
         bt.variant_overrides("nope", replicas=2, anchor_key="")
 

@@ -71,7 +71,8 @@ def test_dp_blocking_costs_the_matchmaking_and_overlap_does_not():
 def test_more_bandwidth_or_less_compute_never_slows_down(bw):
     def tps(bandwidth, c):
         stages = [SimStage(c, 2 * c, 300, 0), SimStage(c, 2 * c, 0, 300)]
-        return simulate(_spec(stages, replicas=[2, 2], microbatches=4, bandwidth_bps=bandwidth, latency_s=0.02)).tokens_per_s
+        spec = _spec(stages, replicas=[2, 2], microbatches=4, bandwidth_bps=bandwidth, latency_s=0.02)
+        return simulate(spec).tokens_per_s
 
     assert tps(2 * bw, 0.1) >= tps(bw, 0.1) * (1 - 1e-9)
     assert tps(bw, 0.05) >= tps(bw, 0.1) * (1 - 1e-9)

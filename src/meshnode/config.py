@@ -155,6 +155,11 @@ class DPConfig:
     fragments: int = 1
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    # Swarm only: run each sync's all-reduce in the background while training goes on, and apply the outer
+    # step at the first step boundary after it finishes, keeping the local progress made meanwhile. The
+    # in-process mesh's all-reduce is instantaneous, so it ignores this.
+    overlap: bool = False
+    round_timeout: float = 15.0  # swarm: seconds a replica waits for partners per averaging round
 
 
 @dataclass(kw_only=True, slots=True)
@@ -213,7 +218,7 @@ _POSITIVE = {
     "model.stages", "model.tiny_layers", "model.tiny_hidden", "model.tiny_heads", "model.tiny_kv_heads",
     "model.tiny_intermediate", "model.tiny_vocab", "data.seq_len", "train.batch_size", "train.microbatches",
     "train.eval_batches", "anchor.period", "anchor.max_staleness", "dp.replicas", "dp.inner_steps", "dp.rank",
-    "dp.fragments", "spectral.clean_every",
+    "dp.fragments", "spectral.clean_every", "dp.round_timeout",
 }
 _NON_NEGATIVE = {
     "train.steps", "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every",

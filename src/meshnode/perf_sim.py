@@ -32,7 +32,7 @@ What is simulated (pure Python, no torch, deterministic):
   ``dp.overlap``); without it the sync's flows only compete for bandwidth.
 * **Anchor.** Every ``anchor_period`` steps of driver 0, an anchor peer (its own link) pulls
   ``snapshot_bytes[s]`` from replica 0 of every stage and sends ``prior_bytes[s]`` to every replica of
-  stage ``s``.
+  stage ``s``; a cycle is skipped while the previous one's fetch is still running.
 
 Tokens/s is measured as in the benchmark: the drivers' tokens of the steps that *end* inside a window
 after ``warmup_steps``, over that window.
@@ -156,6 +156,7 @@ class _Sim:
             self.peers.append(_Peer("anchor", -1, 0))
         self.driver_steps: dict[int, list[float]] = {d: [] for d in self.by_stage[0]}
         self.dp_groups: dict[tuple[int, int], dict] = {}
+        self.anchor_fetching = 0
 
     # -- events
     def at(self, t: float, fn: Callable[[], None]) -> None:
@@ -389,11 +390,20 @@ class _Sim:
         self.at(self.now + self.spec.dp_matchmaking_s, exchange)
 
     def anchor_cycle(self) -> None:
+        """Fetch every stage's snapshot and push the priors; a cycle starts only when the last one's fetch is done
+        (the anchor runs one cycle at a time, so a slow fetch stretches its period)."""
+        if self.anchor_fetching:
+            return
         a = self.anchor
+        self.anchor_fetching = len(self.by_stage)
+
+        def fetched():
+            self.anchor_fetching -= 1
+
         for s, ids in enumerate(self.by_stage):
             snap = self.spec.snapshot_bytes[s] if s < len(self.spec.snapshot_bytes) else 0.0
             prior = self.spec.prior_bytes[s] if s < len(self.spec.prior_bytes) else 0.0
-            self.send(ids[0], a, snap, lambda: None)
+            self.send(ids[0], a, snap, fetched)
             for q in ids:
                 self.send(a, q, prior, lambda: None)
 
