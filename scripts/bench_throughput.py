@@ -573,13 +573,19 @@ def summarize(variant: str, peers: list[Peer], bench: BenchModel, replicas: int,
 
 
 def projections(bandwidth_mbit: float = 200.0) -> dict[str, Any]:
-    """Part 3's projection (meshnode.perf.project): 8 stages x 7 fast replicas + 1 anchor, dense vs M95 + AP + DP."""
-    out = {}
+    """Part 3's projection, 8 stages x 7 fast replicas + 1 anchor, dense vs M95 + AP + DP: the closed form
+    (meshnode.perf.project) and the event-level model (meshnode.perf_sim.project, the swarm's own schedule)."""
+    out: dict[str, Any] = {}
     for arch in ("SmolLM2-135M", "Llama-3.2-1B"):
         pr = perf.project(arch, 8, 7, bandwidth_mbit * 1e6)
         out[arch] = {name: {"tokens_per_s": p.tokens_per_s, "bytes_per_token": p.total_bytes_per_token,
                             "bottleneck": p.bottleneck} for name, p in pr.variants.items()}
         out[arch]["speedup_m95_ap_dp_vs_dense"] = pr.speedup
+        sim = perf_sim.project(arch, 8, 7, bandwidth_mbit * 1e6)
+        out[arch]["simulated"] = {name: {"tokens_per_s": r.tokens_per_s, "step_s": r.step_s}
+                                  for name, r in sim.items()}
+        for name in ("m95_ap_dp", "rotq2_dp"):
+            out[arch]["simulated"][f"speedup_{name}_vs_dense"] = sim[name].tokens_per_s / sim["dense"].tokens_per_s
     out["paper_llama_3.2_1b"] = {"dense_tokens_per_s": 1100, "m95_ap_tokens_per_s": 46500, "speedup": 42.3}
     return out
 
@@ -707,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["model_inputs"].update(dp_per_sync=sizes.dp_per_sync, prior_per_cycle=sizes.prior_per_cycle,
                                          snapshot_per_cycle=sizes.snapshot_per_cycle,
                                          dp_inner_steps=args.dp_inner_steps, anchor_period=args.anchor_period)
-        result.setdefault("projection", projections(args.bandwidth))
+        result["projection"] = projections(args.bandwidth)
         args.out.write_text(json.dumps(result, indent=1, default=str))
         repredict(result)
         args.out.write_text(json.dumps(result, indent=1, default=str))

@@ -85,3 +85,14 @@ def test_bad_specs_are_refused():
         _spec([SimStage(0, 0, 0, 0)], bandwidth_bps=0)
     with pytest.raises(ValueError):
         _spec([SimStage(0, 0, 0, 0)], steps=2, warmup_steps=2)
+
+
+def test_projection_compressed_variants_beat_dense_on_a_slow_link():
+    from meshnode.perf_sim import PROJECT_VARIANTS, project
+
+    res = project("SmolLM2-135M", stages=2, replicas=2, bandwidth=50e6, steps=8)
+    assert set(res) == set(PROJECT_VARIANTS)
+    dense = res["dense"].tokens_per_s
+    assert res["m95"].tokens_per_s > dense  # smaller boundaries, same dense DP
+    assert res["m95_ap_dp"].tokens_per_s > 5 * dense  # dense DP every step dominates the baseline
+    assert res["rotq2_dp"].tokens_per_s > 5 * dense

@@ -411,6 +411,44 @@ def _stage_param_shapes(arch: ArchSpec, layers: int, first: bool, last: bool) ->
     return mats, vec
 
 
+@dataclass(frozen=True, slots=True)
+class ProjectionInputs:
+    """Per-stage inputs of a projection: compute seconds and bytes per microbatch / sync / cycle."""
+
+    layers: list[int]
+    keep: int  # channels kept per token at the mask ratio
+    computes: list[float]  # seconds per microbatch (forward + backward) per stage
+    dense_pp: float  # boundary bytes per microbatch, dense
+    masked_pp: float  # boundary bytes per microbatch, masked
+    dense_dp: list[float]  # per stage: all parameters
+    psgd_dp: list[float]  # per stage: PowerSGD factors + 1-D parameters
+    prior: list[float]  # per stage: the anchor prior's factors
+
+
+def projection_inputs(
+    arch: ArchSpec, stages: int, *, gpu_flops: float = 71e12, utilisation: float = 0.4, seq_len: int = 1024,
+    tokens_per_microbatch: int = 4096, mask_ratio: float = 0.95, wire_bytes: int = 2, dense_dp_bytes: int = 2,
+    powersgd_rank: int = 64, powersgd_bytes: int = 2, anchor_rank: int = 32,
+) -> ProjectionInputs:
+    """What :func:`project` (and :func:`meshnode.perf_sim.project`) derive from an architecture's shapes."""
+    layers = split_layers(arch.n_layers, stages)
+    keep = round((1 - mask_ratio) * arch.hidden)
+    computes, dense_dp, psgd_dp, prior = [], [], [], []
+    for s, n in enumerate(layers):
+        first, last = s == 0, s == stages - 1
+        flops = arch_flops_per_token(arch, seq_len, n_layers=n, lm_head=last) * tokens_per_microbatch
+        computes.append(stage_compute_time(flops, gpu_flops, utilisation))
+        mats, vec = _stage_param_shapes(arch, n, first, last)
+        dense_dp.append((sum(a * b for a, b in mats) + vec) * dense_dp_bytes)
+        psgd_dp.append((sum(powersgd_rank * (a + b) for a, b in mats) + vec) * powersgd_bytes)
+        targeted = [shape for _ in range(n) for shape in arch.layer_matrices().values()]
+        prior.append(sum(min(anchor_rank, a, b) * (a + b + 1) for a, b in targeted) * 2)  # U, s, V in fp16
+    return ProjectionInputs(
+        layers=layers, keep=keep, computes=computes, dense_pp=arch.hidden * wire_bytes * tokens_per_microbatch,
+        masked_pp=keep * wire_bytes * tokens_per_microbatch, dense_dp=dense_dp, psgd_dp=psgd_dp, prior=prior,
+    )
+
+
 def project(
     arch: ArchSpec | str,
     stages: int = 8,
@@ -442,21 +480,12 @@ def project(
     """
     arch = ARCH_PRESETS[arch] if isinstance(arch, str) else arch
     in_flight = microbatches_in_flight or stages * replicas
-    layers = split_layers(arch.n_layers, stages)
-    keep = round((1 - mask_ratio) * arch.hidden)
-    dense_pp = arch.hidden * wire_bytes * tokens_per_microbatch
-    masked_pp = keep * wire_bytes * tokens_per_microbatch
-
-    computes, dense_dp, psgd_dp, prior = [], [], [], []
-    for s, n in enumerate(layers):
-        first, last = s == 0, s == stages - 1
-        flops = arch_flops_per_token(arch, seq_len, n_layers=n, lm_head=last) * tokens_per_microbatch
-        computes.append(stage_compute_time(flops, gpu_flops, utilisation))
-        mats, vec = _stage_param_shapes(arch, n, first, last)
-        dense_dp.append((sum(a * b for a, b in mats) + vec) * dense_dp_bytes)
-        psgd_dp.append((sum(powersgd_rank * (a + b) for a, b in mats) + vec) * powersgd_bytes)
-        targeted = [shape for _ in range(n) for shape in arch.layer_matrices().values()]
-        prior.append(sum(min(anchor_rank, a, b) * (a + b + 1) for a, b in targeted) * 2)  # U, s, V in fp16
+    inp = projection_inputs(arch, stages, gpu_flops=gpu_flops, utilisation=utilisation, seq_len=seq_len,
+                            tokens_per_microbatch=tokens_per_microbatch, mask_ratio=mask_ratio, wire_bytes=wire_bytes,
+                            dense_dp_bytes=dense_dp_bytes, powersgd_rank=powersgd_rank,
+                            powersgd_bytes=powersgd_bytes, anchor_rank=anchor_rank)
+    layers, keep, dense_pp, masked_pp = inp.layers, inp.keep, inp.dense_pp, inp.masked_pp
+    computes, dense_dp, psgd_dp, prior = inp.computes, inp.dense_dp, inp.psgd_dp, inp.prior
 
     def shape(h: int) -> SwarmShape:
         return SwarmShape(stages, replicas, in_flight, tokens_per_microbatch, dp_inner_steps=h,

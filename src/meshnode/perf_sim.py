@@ -432,4 +432,53 @@ def simulate(spec: SimSpec) -> SimResult:
     )
 
 
-__all__ = ["SimResult", "SimSpec", "SimStage", "simulate"]
+# ---------------------------------------------------------------------------------------------
+# projection to GPUs: the same shapes as meshnode.perf.project, through the simulated schedule
+
+PROJECT_VARIANTS = ("dense", "m95", "m95_ap_dp", "rotq2_dp")
+
+
+def project(
+    arch, stages: int = 8, replicas: int = 7, bandwidth: float = 200e6, *, latency: float = 0.02,
+    microbatches: int = 4, tokens_per_microbatch: int = 4096, dp_inner_steps: int = 10, anchor_period: int = 20,
+    steps: int = 16, **shape_kw,
+) -> dict[str, SimResult]:
+    """Simulated tokens/s of ``stages`` x ``replicas`` GPU peers (stage 0's are the drivers, ``microbatches`` each
+    in flight), one anchor, every link ``bandwidth`` bit/s each way.
+
+    Variants, all with :func:`meshnode.perf.projection_inputs`' sizes:
+
+    - ``dense``: dense bf16 boundaries, dense bf16 DP all-reduce after every step, blocking (the paper's
+      baseline, and what synchronous data parallelism does);
+    - ``m95``: M95 boundaries, the same dense DP;
+    - ``m95_ap_dp``: M95 boundaries, PowerSGD DP every ``dp_inner_steps`` overlapped with compute, anchor priors
+      every ``anchor_period`` steps (the anchor's weight snapshot is taken from the DP all-reduce, not fetched);
+    - ``rotq2_dp``: 2-bit rotated boundaries (``mask.codec = rotq``, H/4 + 4 bytes per token, plus the
+      microbatch's channel means forward), with the same DP and no anchor.
+    """
+    from .perf import ARCH_PRESETS, projection_inputs
+
+    arch = ARCH_PRESETS[arch] if isinstance(arch, str) else arch
+    inp = projection_inputs(arch, stages, tokens_per_microbatch=tokens_per_microbatch, **shape_kw)
+    rotq_bwd = tokens_per_microbatch * (arch.hidden // 4 + 4)
+    rotq_fwd = rotq_bwd + arch.hidden * 2
+
+    def spec(fwd: float, bwd: float, dp: list[float], h: int, blocking: bool, anchor: bool) -> SimSpec:
+        st = [SimStage(c / 3, 2 * c / 3, fwd, bwd) for c in inp.computes]
+        return SimSpec(
+            stages=st, replicas=[replicas] * stages, microbatches=microbatches,
+            tokens_per_microbatch=tokens_per_microbatch, bandwidth_bps=bandwidth, latency_s=latency,
+            dp_inner_steps=h, dp_bytes=dp, dp_blocking=blocking, anchor_period=anchor_period if anchor else 0,
+            snapshot_bytes=[0.0] * stages, prior_bytes=inp.prior, steps=steps, warmup_steps=3,
+        )
+
+    specs = {
+        "dense": spec(inp.dense_pp, inp.dense_pp, inp.dense_dp, 1, True, False),
+        "m95": spec(inp.masked_pp, inp.masked_pp, inp.dense_dp, 1, True, False),
+        "m95_ap_dp": spec(inp.masked_pp, inp.masked_pp, inp.psgd_dp, dp_inner_steps, False, True),
+        "rotq2_dp": spec(rotq_fwd, rotq_bwd, inp.psgd_dp, dp_inner_steps, False, False),
+    }
+    return {name: simulate(sp) for name, sp in specs.items()}
+
+
+__all__ = ["PROJECT_VARIANTS", "SimResult", "SimSpec", "SimStage", "project", "simulate"]
