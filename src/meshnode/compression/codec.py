@@ -515,7 +515,30 @@ class TopKCodec(BoundaryCodec):
         return batch * seq * self.k(hidden) * self.wire_dtype.itemsize
 
 
-class QuantCodec(BoundaryCodec):
+class _SameBothWays(BoundaryCodec):
+    """A codec that treats activations and gradients alike, with no per-exchange state: one ``_encode`` and
+    one ``_decode`` given the payload kind."""
+
+    @abstractmethod
+    def _encode(self, kind: str, x: Tensor) -> EncodedPayload: ...
+
+    @abstractmethod
+    def _decode(self, payload: EncodedPayload, kind: str) -> Tensor: ...
+
+    def encode(self, x: Tensor, ctx: BoundaryContext | None = None) -> EncodedPayload:
+        return self._encode(ACTIVATION, x)
+
+    def decode(self, payload: EncodedPayload, ctx: BoundaryContext | None = None) -> Tensor:
+        return self._decode(payload, ACTIVATION)
+
+    def encode_grad(self, grad: Tensor, ctx: BoundaryContext | None = None) -> EncodedPayload:
+        return self._encode(GRAD, grad)
+
+    def decode_grad(self, payload: EncodedPayload, ctx: BoundaryContext | None = None) -> Tensor:
+        return self._decode(payload, GRAD)
+
+
+class QuantCodec(_SameBothWays):
     """Per-token absmax quantisation (int8, or int4 packed two per byte), both directions."""
 
     def __init__(self, bits: int = 8) -> None:
@@ -540,25 +563,13 @@ class QuantCodec(BoundaryCodec):
         p = payload.tensors
         return dequantize_absmax(p["codes"], p["scale"], self.bits, h, _DENSE_DTYPES[payload.dtype])
 
-    def encode(self, x: Tensor, ctx: BoundaryContext | None = None) -> EncodedPayload:
-        return self._encode(ACTIVATION, x)
-
-    def decode(self, payload: EncodedPayload, ctx: BoundaryContext | None = None) -> Tensor:
-        return self._decode(payload, ACTIVATION)
-
-    def encode_grad(self, grad: Tensor, ctx: BoundaryContext | None = None) -> EncodedPayload:
-        return self._encode(GRAD, grad)
-
-    def decode_grad(self, payload: EncodedPayload, ctx: BoundaryContext | None = None) -> Tensor:
-        return self._decode(payload, GRAD)
-
     def forward_nbytes(self, batch: int, seq: int, hidden: int) -> int:
         return quantized_nbytes(batch * seq, hidden, self.bits)
 
     backward_nbytes = forward_nbytes
 
 
-class RotQuantCodec(BoundaryCodec):
+class RotQuantCodec(_SameBothWays):
     """Rotated low-bit quantisation (:mod:`.rotquant`): all H channels at ``bits`` bits, both directions.
 
     With ``center`` (the default) the activation is centred first: the sender subtracts the microbatch's
@@ -612,18 +623,6 @@ class RotQuantCodec(BoundaryCodec):
         if centred:
             y = y + p["mean"].float()
         return y.to(_DENSE_DTYPES[payload.dtype])
-
-    def encode(self, x: Tensor, ctx: BoundaryContext | None = None) -> EncodedPayload:
-        return self._encode(ACTIVATION, x)
-
-    def decode(self, payload: EncodedPayload, ctx: BoundaryContext | None = None) -> Tensor:
-        return self._decode(payload, ACTIVATION)
-
-    def encode_grad(self, grad: Tensor, ctx: BoundaryContext | None = None) -> EncodedPayload:
-        return self._encode(GRAD, grad)
-
-    def decode_grad(self, payload: EncodedPayload, ctx: BoundaryContext | None = None) -> Tensor:
-        return self._decode(payload, GRAD)
 
     def forward_nbytes(self, batch: int, seq: int, hidden: int) -> int:
         mean = hidden * self.wire_dtype.itemsize if self.center else 0
