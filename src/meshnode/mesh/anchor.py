@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..data import BatchSource
-from ..stage import MicrobatchId, StageWorker
+from ..stage import MicrobatchId, StageWorker, chain_gradients
 
 logger = logging.getLogger(__name__)
 
@@ -60,21 +60,7 @@ class MeshAnchor:
     def _grads(self, mb: MicrobatchId, ids: torch.Tensor, masked: bool) -> list[dict[str, torch.Tensor]]:
         for w in self.workers:
             w.masked = masked
-            w.zero_grad()
-        x = ids
-        for w in self.workers[:-1]:
-            x = w.forward(mb, x)
-        self.workers[-1].forward(mb, x, labels=ids)
-        grad = None
-        for w in reversed(self.workers):
-            grad = w.backward(mb, grad)
-        out = []
-        for s, w in enumerate(self.workers):
-            params = dict(w.module.named_parameters())
-            out.append({n: params[n].grad.detach().float().clone() for n in self.targets[s]})
-            w.zero_grad()
-            w.step_stats.__init__()
-        return out
+        return chain_gradients(self.workers, mb, ids, self.targets)
 
     def cycle(self, trainer, step: int) -> _Prior:
         """One anchor cycle on the weights replica 0 has after ``step`` fast steps."""

@@ -137,25 +137,9 @@ class AnchorRunner:
         raise RuntimeError(f"stage {stage}: no peer gave its weights ({last})")
 
     def _pass(self, ids: torch.Tensor, step: int) -> list[dict[str, torch.Tensor]]:
-        from ..stage import MicrobatchId
+        from ..stage import MicrobatchId, chain_gradients
 
-        mb = MicrobatchId(step, 0)
-        for w in self.workers:
-            w.zero_grad()
-        x = ids
-        for w in self.workers[:-1]:
-            x = w.forward(mb, x)
-        self.workers[-1].forward(mb, x, labels=ids)
-        grad = None
-        for w in reversed(self.workers):
-            grad = w.backward(mb, grad)
-        out = []
-        for s, w in enumerate(self.workers):
-            params = dict(w.module.named_parameters())
-            out.append({n: params[n].grad.detach().float().clone() for n in self.filters[s]})
-            w.zero_grad()
-            w.step_stats.__init__()
-        return out
+        return chain_gradients(self.workers, MicrobatchId(step, 0), ids, [list(f) for f in self.filters])
 
     def _fold(self, grads: list[dict[str, torch.Tensor]], steps: list[int]) -> list[dict[str, tuple]]:
         out = []

@@ -233,3 +233,29 @@ def _dense_mask_cfg(cfg: RunConfig):
     import dataclasses
 
     return dataclasses.replace(cfg.mask, ratio=0.0, codec="dense")
+
+
+def chain_gradients(
+    workers: list[StageWorker], mb: MicrobatchId, ids: Tensor, names: list[list[str]] | list[dict]
+) -> list[dict[str, Tensor]]:
+    """One in-process forward + backward of ``ids`` through every stage (the anchor's pass, and its masked twin).
+
+    Uses each worker's own codec setting (``worker.masked``). Returns, per stage, float32 copies of the
+    gradients of the parameters named in ``names[s]``, and leaves the workers with no gradient and no step stats.
+    """
+    for w in workers:
+        w.zero_grad()
+    x = ids
+    for w in workers[:-1]:
+        x = w.forward(mb, x)
+    workers[-1].forward(mb, x, labels=ids)
+    grad = None
+    for w in reversed(workers):
+        grad = w.backward(mb, grad)
+    out = []
+    for s, w in enumerate(workers):
+        params = dict(w.module.named_parameters())
+        out.append({n: params[n].grad.detach().float().clone() for n in names[s]})
+        w.zero_grad()
+        w.step_stats = StepStats()
+    return out
