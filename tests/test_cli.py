@@ -63,3 +63,20 @@ def test_train_subprocess_writes_metrics(tmp_path, cache_dir):
     assert r.exit_code == 0 and (tmp_path / "hf" / "config.json").is_file()
     r = runner.invoke(app, ["export", "--checkpoint", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")])
     assert r.exit_code == 1 and "not a meshnode checkpoint" in r.output
+
+
+def test_demo_methods_make_valid_configs_and_unknown_ones_fail(cache_dir):
+    import pytest
+
+    from meshnode.config import load_config
+    from meshnode.node.demo import DEMO_METHODS, method_overrides
+
+    for method in DEMO_METHODS:
+        over = method_overrides(method, tiny=True, dp_peers=2, anchor=True, anchor_key="k")
+        cfg = load_config(TINY, over)
+        assert cfg.dp.enabled and cfg.anchor.enabled == (method == "m95")
+        if method.startswith("rotq"):
+            assert cfg.mask.codec == "rotq" and cfg.mask.bits == int(method[4:])
+    with pytest.raises(ValueError, match="unknown demo method"):
+        method_overrides("m99", tiny=True, dp_peers=1, anchor=False, anchor_key="")
+    _fails_cleanly(["demo", "--tiny", "--method", "m99"], "not one of", cache_dir)

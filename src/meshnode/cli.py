@@ -292,7 +292,8 @@ def status(
 def demo(
     tiny: Annotated[bool, typer.Option("--tiny", help="The tiny random model (fast, for a smoke run).")] = False,
     steps: Annotated[int | None, typer.Option("--steps", help="Optimizer steps of the driver.")] = None,
-    method: Annotated[str, typer.Option("--method", help="dense | m95 (M95 + anchor prior + DP).")] = "m95",
+    method: Annotated[str, typer.Option(
+        "--method", help="dense | m95 (M95 + anchor prior) | rotq4 | rotq2 (rotated 4 / 2-bit boundaries).")] = "m95",
     config: Annotated[Path | None, typer.Option("--config", "-c", help="Run config (default: built in).")] = None,
     set_: SetOpt = None,
     metrics_out: Annotated[Path | None, typer.Option("--metrics-out", help="Write the summary JSON here.")] = None,
@@ -305,9 +306,10 @@ def demo(
 ) -> None:
     """Start a local swarm on 127.0.0.1 (bootstrap + one process per peer), train, report, stop everything."""
     with swarm_errors():
-        if method not in ("dense", "m95"):
-            raise ConfigError(f"--method: {method!r} is not dense or m95")
-        from .node.demo import DemoOptions, run_demo
+        from .node.demo import DEMO_METHODS, DemoOptions, run_demo
+
+        if method not in DEMO_METHODS:
+            raise ConfigError(f"--method: {method!r} is not one of {', '.join(DEMO_METHODS)}")
 
         opts = DemoOptions(
             tiny=tiny, steps=steps, method=method, config=config, overrides=list(set_ or []), metrics_out=metrics_out,

@@ -83,17 +83,23 @@ eval_batches = 8
 """
 
 
+DEMO_METHODS = ("dense", "m95", "rotq4", "rotq2")
+
+
 def method_overrides(method: str, *, tiny: bool, dp_peers: int, anchor: bool, anchor_key: str) -> list[str]:
+    """Config overrides of a demo method: ``dense`` boundaries, ``m95`` (the paper: M95 + anchor prior), or
+    ``rotq4`` / ``rotq2`` (every channel at 4 / 2 bits after a rotation); with DP when ``dp_peers > 1``."""
+    if method not in DEMO_METHODS:
+        raise ValueError(f"unknown demo method {method!r} (one of {', '.join(DEMO_METHODS)})")
     if method == "dense":
         out = ["mask.ratio=0.0"]
-        if dp_peers > 1:
-            out += ["dp.enabled=true", f"dp.replicas={dp_peers}", "dp.inner_steps=10", "dp.rank=4" if tiny else
-                    "dp.rank=32"]
-        return out
-    out = ["mask.ratio=0.95"]
-    if anchor:
-        out += ["anchor.enabled=true", f"anchor.period={5 if tiny else 10}", "anchor.max_staleness=30",
-                f"spectral.rank={8 if tiny else 16}", f"anchor.allowed_keys=[{json.dumps(anchor_key)}]"]
+    elif method.startswith("rotq"):
+        out = ["mask.codec=rotq", f"mask.bits={method[4:]}"]
+    else:
+        out = ["mask.ratio=0.95"]
+        if anchor:
+            out += ["anchor.enabled=true", f"anchor.period={5 if tiny else 10}", "anchor.max_staleness=30",
+                    f"spectral.rank={8 if tiny else 16}", f"anchor.allowed_keys=[{json.dumps(anchor_key)}]"]
     if dp_peers > 1:
         out += ["dp.enabled=true", f"dp.replicas={dp_peers}", "dp.inner_steps=10", "dp.rank=4" if tiny else
                 "dp.rank=32"]
@@ -129,7 +135,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         base = workdir / "run.toml"
         base.write_text(TINY_TOML if opts.tiny else SMOLLM2_TOML)
     overrides = method_overrides(opts.method, tiny=opts.tiny, dp_peers=opts.dp_peers,
-                                 anchor=opts.anchor and opts.method != "dense", anchor_key=anchor_key)
+                                 anchor=opts.anchor and opts.method == "m95", anchor_key=anchor_key)
     overrides += list(opts.overrides)
     if opts.steps is not None:
         overrides.append(f"train.steps={opts.steps}")
@@ -244,4 +250,4 @@ async def _watch(dht, identity, cfg, procs, console: Console, opts: DemoOptions,
     }
 
 
-__all__ = ["DemoOptions", "method_overrides", "run_demo"]
+__all__ = ["DEMO_METHODS", "DemoOptions", "method_overrides", "run_demo"]
