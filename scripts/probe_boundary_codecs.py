@@ -30,6 +30,9 @@ CODECS = {
     "rotq4": MaskConfig(codec="rotq", bits=4),
     "rotq2": MaskConfig(codec="rotq", bits=2),
     "rotq1": MaskConfig(codec="rotq", bits=1),
+    "rotq4_nocenter": MaskConfig(codec="rotq", bits=4, rotq_center=False),
+    "rotq2_nocenter": MaskConfig(codec="rotq", bits=2, rotq_center=False),
+    "rotq1_nocenter": MaskConfig(codec="rotq", bits=1, rotq_center=False),
     "topk": MaskConfig(codec="topk", topk_ratio=0.1),
     "m90": MaskConfig(ratio=0.9),
     "m95": MaskConfig(ratio=0.95),
@@ -63,7 +66,7 @@ def main() -> None:
         if not with_grad:
             return loss.item(), errs, None
         grads = torch.autograd.grad(loss, params)
-        return loss.item(), errs, torch.cat([g.flatten() for g in grads])
+        return loss.item(), errs, torch.cat([g.flatten() for g in grads]).double()  # float64: 134M-term dot
 
     with torch.no_grad():
         ref_eval = sum(run(ids, None, i, False)[0] for i, ids in enumerate(evals)) / len(evals)
@@ -83,7 +86,7 @@ def main() -> None:
         nbytes = (codec.forward_nbytes(1, 1, hidden) + codec.backward_nbytes(1, 1, hidden)) / 2
         rows[name] = {"loss": loss, "rel_err": err, "grad_cos": sum(cos) / len(cos), "bytes_per_token": nbytes,
                       "compression": 2 * hidden / nbytes}
-        print(f"{name:6s} {codec.describe():40s} loss {loss:7.3f}  rel.err {err:.3f}  grad cos "
+        print(f"{name:14s} {codec.describe():40s} loss {loss:7.3f}  rel.err {err:.3f}  grad cos "
               f"{rows[name]['grad_cos']:.3f}  {nbytes:6.1f} B/token/direction ({2 * hidden / nbytes:5.1f}x vs bf16)")
     if args.out:
         args.out.write_text(json.dumps({"unmasked_loss": ref_eval, "codecs": rows}, indent=2) + "\n")
