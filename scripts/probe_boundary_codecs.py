@@ -83,7 +83,7 @@ def main() -> None:
         for i, ids in enumerate(trains):
             g = run(ids, codec, 100 + i, True)[2]
             cos.append(torch.nn.functional.cosine_similarity(g, ref_grads[i], dim=0).item())
-        nbytes = (codec.forward_nbytes(1, 1, hidden) + codec.backward_nbytes(1, 1, hidden)) / 2
+        nbytes = (codec.forward_nbytes(4, 256, hidden) + codec.backward_nbytes(4, 256, hidden)) / (2 * 4 * 256)
         rows[name] = {"loss": loss, "rel_err": err, "grad_cos": sum(cos) / len(cos), "bytes_per_token": nbytes,
                       "compression": 2 * hidden / nbytes}
         print(f"{name:14s} {codec.describe():40s} loss {loss:7.3f}  rel.err {err:.3f}  grad cos "
