@@ -622,6 +622,11 @@ def record_predictions(r: dict, sim: perf_sim.SimResult, pred: perf.Prediction, 
     r["predicted_wave_tokens_per_s"] = wave
 
 
+def bandwidth_mbit_of(result: dict) -> float:
+    """The GPU peer's link of a result (the un-scaled bandwidth the projection was made for)."""
+    return float(result.get("time_scale", {}).get("bandwidth_mbit", 200.0))
+
+
 def plot(result: dict, png: Path) -> None:
     """Model curves of tokens/s vs the GPU peer's bandwidth (time-scaled benchmark swarm, and the projections),
     measured points on top. x and y of the benchmark panel are in GPU-equivalent units: the run at emulated
@@ -639,7 +644,7 @@ def plot(result: dict, png: Path) -> None:
     replicas = result["swarm"]["replicas_per_stage"]
     xs = np.logspace(1, 4, 25)  # 10 Mbit/s .. 10 Gbit/s
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    colors = dict(zip(VARIANTS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    colors = dict(zip((*VARIANTS, "rotq2_dp"), plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     for v, r in result["variants"].items():
         if "model_inputs" not in r:
             continue
@@ -665,9 +670,16 @@ def plot(result: dict, png: Path) -> None:
             ax2.plot(xs, ys, ls=ls, color=colors[name], label=f"{arch} {name}")
     ax2.scatter([200, 200], [1100, 46500], marker="*", s=120, color="black", zorder=5,
                 label="paper, Llama-3.2-1B (1.1k / 46.5k)")
+    for arch, marker in (("SmolLM2-135M", "x"), ("Llama-3.2-1B", "P")):
+        sim = result.get("projection", {}).get(arch, {}).get("simulated", {})
+        for name in ("dense", "m95_ap_dp", "rotq2_dp"):
+            if name in sim:
+                ax2.scatter([bandwidth_mbit_of(result)], [sim[name]["tokens_per_s"]], marker=marker, s=70, zorder=6,
+                            color=colors.get(name, "black"), label=f"{arch} {name} (event-level model)")
     ax2.axvline(200, color="grey", ls=":", lw=1)
     ax2.set(xscale="log", yscale="log", xlabel="link, Mbit/s each way", ylabel="tokens/s",
-            title="projection (perf.project): 8 stages x 7 + 1 anchor\n71 TFLOP/s at 40 %, 20 ms")
+            title="projection: 8 stages x 7 + 1 anchor, 71 TFLOP/s at 40 %, 20 ms\n"
+                  "lines: closed form (perf.project); markers: perf_sim.project")
     ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
