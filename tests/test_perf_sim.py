@@ -96,3 +96,14 @@ def test_projection_compressed_variants_beat_dense_on_a_slow_link():
     assert res["m95"].tokens_per_s > dense  # smaller boundaries, same dense DP
     assert res["m95_ap_dp"].tokens_per_s > 5 * dense  # dense DP every step dominates the baseline
     assert res["rotq2_dp"].tokens_per_s > 5 * dense
+
+
+def test_shared_cores_slow_compute_bound_swarms_down():
+    # two drivers, one stage: each microbatch is 1 s of compute; with a core each a step is 1 s,
+    # with one core shared by both it is 2 s
+    stages = [SimStage(0.5, 0.5, 0, 0)]
+    own = simulate(_spec(stages, replicas=[2]))
+    shared = simulate(_spec(stages, replicas=[2], cores=1))
+    assert own.step_s == pytest.approx(1.0)
+    assert shared.step_s == pytest.approx(2.0)
+    assert simulate(_spec(stages, replicas=[2], cores=2)).step_s == pytest.approx(1.0)

@@ -37,8 +37,13 @@ What is simulated (pure Python, no torch, deterministic):
 Tokens/s is measured as in the benchmark: the drivers' tokens of the steps that *end* inside a window
 after ``warmup_steps``, over that window.
 
-Not simulated: CPU contention between peers on one machine, TCP slow start and loss recovery, RPC
-framing beyond the byte counts given, stragglers. These are what the measured error still contains.
+* **Shared cores** (``cores``, optional). Peers on one machine share ``cores`` CPUs: the compute tasks
+  running at one time each progress at ``min(1, cores / n)`` (processor sharing); the anchor's own
+  forward + backward per cycle (``anchor_compute_s``) takes its share. Default: a core per peer.
+
+Not simulated: the CPU cost of moving a message (asyncio, msgpack, the libp2p daemon), TCP slow start and
+loss recovery, RPC framing beyond the byte counts given, stragglers. These are what the measured error
+still contains.
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ class SimSpec:
     anchor_period: int = 0  # 0 = no anchor
     snapshot_bytes: Sequence[float] = ()  # per stage and anchor cycle, from replica 0 of the stage
     prior_bytes: Sequence[float] = ()  # per stage and cycle, to every replica of the stage
+    cores: int | None = None  # CPU cores shared by every peer's compute (None: a core per peer)
+    anchor_compute_s: float = 0.0  # the anchor's forward + backward per cycle (on the shared cores)
     steps: int = 24  # driver steps simulated
     warmup_steps: int = 4
 
@@ -85,6 +92,8 @@ class SimSpec:
             raise ValueError("every stage needs a replica and a step at least one microbatch")
         if self.bandwidth_bps <= 0 or self.latency_s < 0:
             raise ValueError("bandwidth must be > 0 and latency >= 0")
+        if self.cores is not None and self.cores < 1:
+            raise ValueError("cores must be >= 1 (or None for a core per peer)")
         if self.steps <= self.warmup_steps + 1:
             raise ValueError("simulate more steps than the warm-up + 1")
 
@@ -139,6 +148,9 @@ class _Sim:
         self.events: list = []
         self.seq = 0
         self.flows: list[_Flow] = []
+        self.running: dict[int, list] = {}  # shared cores: peer -> [work seconds left, callback]
+        self.cpu_rate = 1.0
+        self.cpu_version = 0
         self.conns: dict[tuple[int, int], list[_Flow]] = {}  # per connection: messages, the active one first
         self.flow_version = 0
         self.cap = spec.bandwidth_bps / 8.0  # bytes/s
@@ -179,6 +191,8 @@ class _Sim:
                 moved = f.rate * dt
                 f.left -= moved
                 self.peers[f.src].sent += moved
+            for task in self.running.values():
+                task[0] -= self.cpu_rate * dt
         self.now = t
 
     def send(self, src: int, dst: int, nbytes: float, delivered: Callable[[], None]) -> None:
@@ -260,15 +274,43 @@ class _Sim:
             then()
             self._next_compute(p)
 
-        self.at(self.now + seconds, finish)
+        if self.spec.cores is None:
+            self.at(self.now + seconds, finish)
+        else:  # processor sharing: n running tasks each get min(1, cores / n) of a core
+            self.running[p] = [seconds, finish]
+            self._recpu()
+
+    def _recpu(self) -> None:
+        done = [p for p, task in self.running.items() if task[0] <= 1e-12]
+        callbacks = [self.running.pop(p)[1] for p in done]
+        for cb in callbacks:
+            cb()  # may start the peer's next task (and re-rate, which the lines below redo harmlessly)
+        n = len(self.running)
+        self.cpu_rate = min(1.0, self.spec.cores / n) if n else 1.0
+        self.cpu_version += 1
+        version = self.cpu_version
+        if n:
+            t_next = min(task[0] for task in self.running.values()) / self.cpu_rate
+            self.at(self.now + t_next, lambda: self._cpu_tick(version))
+
+    def _cpu_tick(self, version: int) -> None:
+        if version == self.cpu_version:
+            for task in self.running.values():
+                if task[0] <= self.cpu_rate * 1e-9 + 1e-12:
+                    task[0] = 0.0
+            self._recpu()
 
     # -- the chain
     def start_step(self, d: int) -> None:
         peer = self.peers[d]
         peer.done = 0
         peer.active = self.spec.microbatches
+        st = self.spec.stages[0]
         for _ in range(self.spec.microbatches):
-            self.compute(d, self.spec.stages[0].fwd_s, lambda d=d: self.forward_done(d, None))
+            if len(self.spec.stages) == 1:  # the driver is also the last stage
+                self.compute(d, st.fwd_s + st.bwd_s, lambda d=d: self.backward_done(d, None))
+            else:
+                self.compute(d, st.fwd_s, lambda d=d: self.forward_done(d, None))
 
     def arrive(self, p: int, sender: int) -> None:
         """A forward reaches peer ``p`` (stage >= 1) from ``sender``."""
@@ -396,6 +438,8 @@ class _Sim:
             return
         a = self.anchor
         self.anchor_fetching = len(self.by_stage)
+        if self.spec.anchor_compute_s > 0:
+            self.compute(a, self.spec.anchor_compute_s, lambda: None)
 
         def fetched():
             self.anchor_fetching -= 1
