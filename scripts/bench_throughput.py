@@ -285,7 +285,8 @@ FWD_SHARE = 1 / 3  # forward : backward compute = 1 : 2 (the backward computes t
 
 def simulate_variant(variant: str, bench: BenchModel, replicas: int, compute_s: list[float], sizes: WireSizes,
                      link_mbit: float, delay_ms: float, *, dp_inner_steps: int = 10, anchor_period: int = 10,
-                     dp_overlap: bool = True, steps: int = 30) -> perf_sim.SimResult:
+                     dp_overlap: bool = True, steps: int = 30,
+                     message_overhead_s: float = 0.0) -> perf_sim.SimResult:
     """The event-level cost model (:mod:`meshnode.perf_sim`) of one variant of the benchmark swarm.
 
     Same inputs as :func:`predict_variant`. DP: a sync's two averaging rounds each take at least
@@ -300,9 +301,41 @@ def simulate_variant(variant: str, bench: BenchModel, replicas: int, compute_s: 
         latency_s=delay_ms / 1e3, dp_inner_steps=dp_inner_steps if dp_on else 0, dp_bytes=sizes.dp_per_sync,
         dp_blocking=not dp_overlap, dp_matchmaking_s=2 * DP_MATCHMAKING_S,
         anchor_period=anchor_period if ap_on else 0, snapshot_bytes=sizes.snapshot_per_cycle,
-        prior_bytes=sizes.prior_per_cycle, steps=steps, warmup_steps=4,
+        prior_bytes=sizes.prior_per_cycle, steps=steps, warmup_steps=4, message_overhead_s=message_overhead_s,
     )
     return perf_sim.simulate(spec)
+
+
+def _sim_of(result: dict, variant: str, overhead_s: float, link_mbit: float | None = None,
+            steps: int = 30) -> perf_sim.SimResult:
+    """The event model of one recorded variant (its recorded inputs), with a given per-message overhead."""
+    r = result["variants"][variant]
+    mi = r["model_inputs"]
+    sz = WireSizes(mi["pp_fwd_bytes"], mi["pp_bwd_bytes"], mi["dp_per_sync"], mi["prior_per_cycle"],
+                   mi["snapshot_per_cycle"])
+    link = result["link"]
+    return simulate_variant(variant, BenchModel(**result["model"]), result["swarm"]["replicas_per_stage"],
+                            mi["compute_s_per_microbatch"], sz,
+                            link["rate_mbit_each_way"] if link_mbit is None else link_mbit,
+                            link["delay_ms_one_way"], dp_inner_steps=mi["dp_inner_steps"],
+                            anchor_period=mi["anchor_period"], dp_overlap=mi.get("dp_overlap", False), steps=steps,
+                            message_overhead_s=overhead_s)
+
+
+def fit_message_overhead(result: dict, variant: str, hi_s: float = 2.0) -> float:
+    """The per-message overhead (seconds) at which the event model reproduces ``variant``'s measured tokens/s
+    (bisection; the model's rate falls as the overhead grows). Fit on one run, check on the others."""
+    target = result["variants"][variant]["tokens_per_s"]
+    lo, hi = 0.0, hi_s
+    if _sim_of(result, variant, 0.0).tokens_per_s <= target:
+        return 0.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        if _sim_of(result, variant, mid).tokens_per_s > target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -590,8 +623,12 @@ def projections(bandwidth_mbit: float = 200.0) -> dict[str, Any]:
     return out
 
 
-def repredict(result: dict) -> None:
-    """Re-evaluate the cost model of every measured variant from its recorded inputs (after a model change)."""
+def repredict(result: dict, message_overhead_s: float | None = None) -> None:
+    """Re-evaluate both cost models of every measured variant from its recorded inputs (after a model change).
+    ``message_overhead_s`` (the event model's per-message cost) is recorded in the result."""
+    if message_overhead_s is not None:
+        result["message_overhead_s"] = message_overhead_s
+    overhead = result.get("message_overhead_s", 0.0)
     bench = BenchModel(**result["model"])
     replicas = result["swarm"]["replicas_per_stage"]
     link = result["link"]
@@ -604,9 +641,7 @@ def repredict(result: dict) -> None:
         pred = predict_variant(v, bench, replicas, mi["compute_s_per_microbatch"], sz, link["rate_mbit_each_way"],
                                link["delay_ms_one_way"], dp_inner_steps=mi["dp_inner_steps"],
                                anchor_period=mi["anchor_period"])
-        sim = simulate_variant(v, bench, replicas, mi["compute_s_per_microbatch"], sz, link["rate_mbit_each_way"],
-                               link["delay_ms_one_way"], dp_inner_steps=mi["dp_inner_steps"],
-                               anchor_period=mi["anchor_period"], dp_overlap=mi.get("dp_overlap", False))
+        sim = _sim_of(result, v, overhead)
         record_predictions(r, sim, pred, wave_tokens_per_s(pred, bench, replicas, link["delay_ms_one_way"]))
 
 
@@ -648,13 +683,8 @@ def plot(result: dict, png: Path) -> None:
     for v, r in result["variants"].items():
         if "model_inputs" not in r:
             continue
-        mi = r["model_inputs"]
-        sz = WireSizes(mi["pp_fwd_bytes"], mi["pp_bwd_bytes"], mi["dp_per_sync"], mi["prior_per_cycle"],
-                       mi["snapshot_per_cycle"])
-        ys = [simulate_variant(v, bench, replicas, mi["compute_s_per_microbatch"], sz, x / ratio,
-                               link["delay_ms_one_way"], dp_inner_steps=mi["dp_inner_steps"],
-                               anchor_period=mi["anchor_period"], dp_overlap=mi.get("dp_overlap", False),
-                               steps=16).tokens_per_s * ratio for x in xs]
+        ys = [_sim_of(result, v, result.get("message_overhead_s", 0.0), x / ratio, steps=16).tokens_per_s * ratio
+              for x in xs]
         ax.plot(xs, ys, color=colors.get(v), label=f"{v} (model)")
         ax.scatter([link["rate_mbit_each_way"] * ratio], [r["tokens_per_s"] * ratio], color=colors.get(v),
                    edgecolor="black", zorder=5, s=50)
@@ -712,6 +742,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--png", type=Path, default=None, help="also draw the plot here")
     ap.add_argument("--plot-only", action="store_true", help="redraw --png from an existing --out JSON")
+    ap.add_argument("--message-overhead-ms", type=float, default=None,
+                    help="per-message overhead of the event model (default: 0, or what the JSON records)")
+    ap.add_argument("--fit-overhead", metavar="JSON:VARIANT", default=None,
+                    help="with --plot-only: take the overhead at which the model reproduces VARIANT of another run")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.plot_only:
@@ -727,7 +761,13 @@ def main(argv: list[str] | None = None) -> int:
                                          dp_inner_steps=args.dp_inner_steps, anchor_period=args.anchor_period)
         result["projection"] = projections(args.bandwidth)
         args.out.write_text(json.dumps(result, indent=1, default=str))
-        repredict(result)
+        overhead = None if args.message_overhead_ms is None else args.message_overhead_ms / 1e3
+        if args.fit_overhead:
+            path, _, variant = args.fit_overhead.rpartition(":")
+            overhead = fit_message_overhead(json.loads(Path(path).read_text()), variant)
+            result["message_overhead_fit"] = {"from": args.fit_overhead, "seconds": overhead}
+            logger.info("per-message overhead fitted on %s: %.1f ms", args.fit_overhead, overhead * 1e3)
+        repredict(result, overhead)
         args.out.write_text(json.dumps(result, indent=1, default=str))
         plot(result, args.png or args.out.with_suffix(".png"))
         return 0
@@ -746,6 +786,7 @@ def main(argv: list[str] | None = None) -> int:
         rate = args.bandwidth / float(args.time_scale)
     logger.info("calibration: stage compute %s s per microbatch; GPU %.3g s; ratio %.0f -> link %.3f Mbit/s",
                 [round(c, 4) for c in compute], scale.gpu_s, scale.ratio, rate)
+    overhead = (args.message_overhead_ms or 0.0) / 1e3
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-tput-"))
     workdir.mkdir(parents=True, exist_ok=True)
     n_ns = bench.stages * args.replicas + 1
@@ -770,7 +811,7 @@ def main(argv: list[str] | None = None) -> int:
                                    dp_inner_steps=args.dp_inner_steps, anchor_period=args.anchor_period)
             sim = simulate_variant(v, bench, args.replicas, cmb, vs, rate, args.delay_ms,
                                    dp_inner_steps=args.dp_inner_steps, anchor_period=args.anchor_period,
-                                   dp_overlap=not args.dp_blocking)
+                                   dp_overlap=not args.dp_blocking, message_overhead_s=overhead)
             record_predictions(res, sim, pred, wave_tokens_per_s(pred, bench, args.replicas, args.delay_ms))
             res["model_inputs"] = {"compute_s_per_microbatch": cmb, "pp_fwd_bytes": fwd, "pp_bwd_bytes": bwd,
                                    "dp_per_sync": vs.dp_per_sync, "prior_per_cycle": vs.prior_per_cycle,
@@ -804,6 +845,7 @@ def main(argv: list[str] | None = None) -> int:
                                      f"link = {args.bandwidth:g} Mbit/s / {scale.ratio:.1f} = {rate:.3f} Mbit/s"},
         "pinning": "taskset peer i -> core i mod ncores" if args.pin else "none (2 shared cores; see docstring)",
         "variants": results,
+        "message_overhead_s": overhead,
         "projection": projections(args.bandwidth),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

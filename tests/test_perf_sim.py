@@ -107,3 +107,10 @@ def test_shared_cores_slow_compute_bound_swarms_down():
     assert own.step_s == pytest.approx(1.0)
     assert shared.step_s == pytest.approx(2.0)
     assert simulate(_spec(stages, replicas=[2], cores=2)).step_s == pytest.approx(1.0)
+
+
+def test_message_overhead_adds_to_every_hop():
+    base = simulate(_spec([SimStage(0, 0, 0, 0)] * 3, latency_s=0.1))
+    slow = simulate(_spec([SimStage(0, 0, 0, 0)] * 3, latency_s=0.1, message_overhead_s=0.05))
+    assert base.step_s == pytest.approx(0.4)
+    assert slow.step_s == pytest.approx(0.4 + 4 * 0.05)  # four messages on the critical path

@@ -15,7 +15,9 @@ What is simulated (pure Python, no torch, deterministic):
   pair of peers share one connection and go in order (libp2p multiplexes all streams of a peer pair
   over one TCP connection; a message is written whole); the active messages of different connections
   get max-min fair rates (progressive filling) over the uplink and downlink capacities, re-rated
-  whenever one starts or ends. A message is delivered ``latency_s`` after its last byte leaves.
+  whenever one starts or ends. A message is delivered ``latency_s + message_overhead_s`` after its last
+  byte leaves (the overhead: what a message costs besides its bytes, e.g. serialisation and RPC layers;
+  measure it on an unshaped run).
 * **The nested chain** (``docs/swarm.md``). A driver computes the forward of each of its ``m``
   microbatches and sends each to a stage-1 peer, chosen as the one with the fewest of this sender's
   microbatches in flight (ties round robin: the swarm's routing breaks them at random). Stage ``s``
@@ -41,9 +43,9 @@ after ``warmup_steps``, over that window.
   running at one time each progress at ``min(1, cores / n)`` (processor sharing); the anchor's own
   forward + backward per cycle (``anchor_compute_s``) takes its share. Default: a core per peer.
 
-Not simulated: the CPU cost of moving a message (asyncio, msgpack, the libp2p daemon), TCP slow start and
-loss recovery, RPC framing beyond the byte counts given, stragglers. These are what the measured error
-still contains.
+Not simulated: the CPU that moving a message takes from compute (``message_overhead_s`` is a delay
+only), TCP slow start and loss recovery, RPC framing beyond the byte counts given, stragglers. These are
+what the measured error still contains.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class SimSpec:
     anchor_period: int = 0  # 0 = no anchor
     snapshot_bytes: Sequence[float] = ()  # per stage and anchor cycle, from replica 0 of the stage
     prior_bytes: Sequence[float] = ()  # per stage and cycle, to every replica of the stage
+    message_overhead_s: float = 0.0  # per message, added to its delivery (serialisation, RPC layers)
     cores: int | None = None  # CPU cores shared by every peer's compute (None: a core per peer)
     anchor_compute_s: float = 0.0  # the anchor's forward + backward per cycle (on the shared cores)
     steps: int = 24  # driver steps simulated
@@ -201,10 +204,10 @@ class _Sim:
         Messages between one pair of peers share one connection (libp2p multiplexes its streams over one
         TCP connection) and go first in, first out; different connections share the links fairly.
         """
+        lat = self.spec.latency_s + self.spec.message_overhead_s
         if nbytes <= 0:
-            self.at(self.now + self.spec.latency_s, delivered)
+            self.at(self.now + lat, delivered)
             return
-        lat = self.spec.latency_s
         key = (src, dst)
         queue = self.conns.setdefault(key, [])
 
