@@ -90,3 +90,23 @@ def test_validate_prior():
     entries["a"]["digest"] = "0" * 16
     with pytest.raises(ValueError, match="digest"):
         validate_prior(entries, shapes)
+
+
+def test_routing_does_not_starve_a_newcomer():
+    import random
+
+    from meshnode.node.swarm import order_candidates
+
+    old = peer("old", 1, throughput=500.0)
+    new = peer("new", 1, throughput=0.0)
+    busy = peer("busy", 1, throughput=900.0)
+    rng = random.Random(0)
+    firsts = [order_candidates([old, new, busy], {"busy": 2}, rng)[0].peer_id for _ in range(400)]
+    assert "busy" not in firsts  # fewest calls in flight first, whatever the throughput
+    share = firsts.count("new") / len(firsts)
+    assert 0.35 < share < 0.65  # weighs as much as the average of the others (here: 'old' alone)
+    fast = peer("fast", 1, throughput=300.0)
+    firsts = [order_candidates([old, fast], {}, rng)[0].peer_id for _ in range(800)]
+    assert 0.55 < firsts.count("old") / len(firsts) < 0.70  # 500 : 300 -> 0.625
+    order = order_candidates([old, new, busy], {"busy": 2}, rng)
+    assert [p.peer_id for p in order][-1] == "busy" and len(order) == 3

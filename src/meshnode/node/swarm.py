@@ -3,8 +3,8 @@
 :class:`SwarmClient` owns the hivemind DHT (validators: the run's schemas and the RSA signature
 validator with this peer's identity key) and its replicated P2P. It keeps a snapshot of
 ``{run}_peers`` fresh, re-announces this peer's record before it expires, and routes a request to a
-peer of a stage: the online peer with the fewest calls in flight from here (then the highest
-throughput), retrying on another peer when a call fails (a failed peer is avoided for a while).
+peer of a stage (:func:`order_candidates`), retrying on another peer when a call fails (a failed peer is
+avoided for a while).
 """
 
 from __future__ import annotations
@@ -28,6 +28,33 @@ from ..protocol.records import PeerRecord, make_schema_validator, parse_peers
 from ..protocol.servicer import RPCError, call_rpc
 
 logger = logging.getLogger(__name__)
+
+
+def order_candidates(peers: list[PeerRecord], inflight: dict[str, int], rng: random.Random | None = None
+                     ) -> list[PeerRecord]:
+    """The order in which to try the peers of a stage: fewest calls in flight from here first; among those
+    tied, the first is drawn at random with weight proportional to its announced throughput, a peer that has
+    announced none (a newcomer) weighing as much as the average of the others. The rest follow by in-flight
+    count, then throughput.
+
+    Always taking the highest throughput among the tied peers starved a newcomer: with one microbatch in
+    flight at a time it was never chosen, so it never reported a throughput.
+    """
+    rng = rng or random
+    out = list(peers)
+    rng.shuffle(out)
+    out.sort(key=lambda p: (inflight.get(p.peer_id, 0), -p.throughput))
+    if len(out) < 2:
+        return out
+    least = inflight.get(out[0].peer_id, 0)
+    tied = [p for p in out if inflight.get(p.peer_id, 0) == least]
+    if len(tied) > 1:
+        known = [p.throughput for p in tied if p.throughput > 0]
+        floor = sum(known) / len(known) if known else 1.0
+        first = rng.choices(tied, weights=[p.throughput if p.throughput > 0 else floor for p in tied])[0]
+        out.remove(first)
+        out.insert(0, first)
+    return out
 
 
 class SwarmError(RuntimeError):
@@ -113,8 +140,7 @@ class SwarmClient:
             if p.stage == stage and p.role in ("fast", "driver") and p.state == "online"
             and p.peer_id != self.peer_id and p.peer_id not in exclude and self._avoid.get(p.peer_id, 0) < now
         ]
-        random.shuffle(out)
-        return sorted(out, key=lambda p: (self._inflight.get(p.peer_id, 0), -p.throughput))
+        return order_candidates(out, self._inflight)
 
     def avoid(self, peer_id: str, seconds: float = 15.0) -> None:
         self._avoid[peer_id] = time.monotonic() + seconds
