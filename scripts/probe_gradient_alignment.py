@@ -24,26 +24,13 @@ from meshnode.config import load_config
 from meshnode.data import BatchSource, make_tokenizer, prepare_corpus
 from meshnode.model import cut_model, load_model
 from meshnode.optim import SpectralFilter
-from meshnode.stage import MicrobatchId, StageWorker
+from meshnode.stage import MicrobatchId, StageWorker, chain_gradients
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def grads(workers, ids, step) -> list[dict[str, torch.Tensor]]:
-    mb = MicrobatchId(step, 0)
-    x = ids
-    for w in workers[:-1]:
-        x = w.forward(mb, x)
-    workers[-1].forward(mb, x, labels=ids)
-    g = None
-    for w in reversed(workers):
-        g = w.backward(mb, g)
-    out = []
-    for w in workers:
-        params = dict(w.module.named_parameters())
-        out.append({n: params[n].grad.detach().float().clone() for n in w.optimizer.filters})
-        w.zero_grad()
-    return out
+    return chain_gradients(workers, MicrobatchId(step, 0), ids, [list(w.optimizer.filters) for w in workers])
 
 
 def cos(a, b) -> float:
