@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from meshnode.node.claim import choose_stage, should_rebalance, stage_loads
-from meshnode.node.priors import HEADER_NAME, validate_prior
+from meshnode.node.priors import HEADER_NAME, PriorIncomplete, PriorReader, validate_prior
 from meshnode.node.status import bytes_per_token, status_json, summarize, swarm_health
+from meshnode.protocol import keys
 from meshnode.protocol.messages import tensor_to_bytes
-from meshnode.protocol.records import PeerRecord, factors_digest, prior_value
+from meshnode.protocol.records import PeerRecord, cycle_digest, factors_digest, prior_value
 
 
 def peer(pid, stage, role="fast", state="online", **kw):
@@ -66,7 +67,9 @@ def _prior(shapes, step=5, rank=2, **bad):
         shape = [m + 1, n] if bad.get("shape") else [m, n]
         entries[name] = prior_value(kind="matrix", anchor_step=step, name=name, rank=rank, shape=shape, u=ub, s=sb,
                                     vh=vb, digest=factors_digest(ub, sb, vb))
-    entries[HEADER_NAME] = prior_value(kind="header", anchor_step=step, names=sorted(shapes))
+    digests = {name: e["digest"] for name, e in entries.items()}
+    entries[HEADER_NAME] = prior_value(kind="header", anchor_step=step, names=sorted(shapes),
+                                       digest=cycle_digest(digests))
     return entries
 
 
@@ -84,12 +87,78 @@ def test_validate_prior():
         validate_prior(entries, shapes)
     entries = _prior(shapes)
     entries["a"]["anchor_step"] = 4
-    with pytest.raises(ValueError, match="another cycle"):
+    with pytest.raises(PriorIncomplete, match="another cycle"):  # retried: the cycle may be half written
         validate_prior(entries, shapes)
     entries = _prior(shapes)
     entries["a"]["digest"] = "0" * 16
     with pytest.raises(ValueError, match="digest"):
         validate_prior(entries, shapes)
+    # a matrix that is valid by itself but not the one the header was signed over
+    entries, other = _prior(shapes), _prior(shapes)
+    entries["a"] = other["a"]
+    with pytest.raises(ValueError, match="header's digest"):
+        validate_prior(entries, shapes)
+
+
+class _Found:
+    def __init__(self, value):
+        self.value = value
+
+
+class _FakeReaderNode:
+    """What PriorReader touches of a fast peer: the DHT (a dict of keys), the optimizer, the step."""
+
+    def __init__(self, owner_key, shapes):
+        from types import SimpleNamespace
+
+        self.run_id, self.stage, self.prior_step = "run", 1, None
+        self.tag = keys.owner_tag(owner_key)
+        self.dht: dict[str, dict] = {}
+        self.reads: list[str] = []
+        self.pushed: list[int] = []
+
+        async def get_key(key):
+            self.reads.append(key)
+            return _Found({k: _Found(v) for k, v in self.dht.get(key, {}).items()}) if key in self.dht else None
+
+        async def run(fn, *args):
+            return fn(*args)
+
+        opt = SimpleNamespace(filters=dict.fromkeys(shapes), params={n: torch.zeros(*s) for n, s in shapes.items()},
+                              push_prior_factors=lambda factors, step: self.pushed.append(step))
+        self.swarm = SimpleNamespace(get_key=get_key)
+        self.host = SimpleNamespace(worker=SimpleNamespace(optimizer=opt), run=run, opt_step=6)
+        self.cfg = SimpleNamespace(anchor=SimpleNamespace(allowed_keys=[keys.public_key_string(owner_key)],
+                                                          max_staleness=20))
+
+    def publish(self, entries):
+        head = keys.prior_key(self.run_id, self.stage)
+        data = keys.prior_data_key(self.run_id, self.stage)
+        for name, value in entries.items():
+            self.dht.setdefault(head if name == HEADER_NAME else data, {})[self.tag + b"/" + name.encode()] = value
+
+
+def test_prior_reader_reads_the_factors_once_per_cycle():
+    import asyncio
+
+    shapes = {"a": (8, 4), "b": (4, 6)}
+    node = _FakeReaderNode(keys.load_or_create_identity(None), shapes)
+    reader = PriorReader(node)
+    head, data = keys.prior_key("run", 1), keys.prior_data_key("run", 1)
+    assert asyncio.run(reader.poll()) is None and node.reads == [head]  # no header: the factors are not read
+    node.publish(_prior(shapes, step=5))
+    assert asyncio.run(reader.poll()) == 5 and node.pushed == [5] and node.reads[1:] == [head, data]
+    node.reads.clear()
+    for _ in range(3):  # the same cycle again: only the small header key is read
+        assert asyncio.run(reader.poll()) is None
+    assert node.reads == [head] * 3 and node.pushed == [5]
+    # a new cycle whose factors do not match its header: refused once, not read again
+    bad = _prior(shapes, step=7)
+    bad["a"] = _prior(shapes, step=7)["a"]
+    node.publish(bad)
+    node.reads.clear()
+    assert asyncio.run(reader.poll()) is None and asyncio.run(reader.poll()) is None
+    assert node.reads == [head, data, head] and node.pushed == [5] and reader.ignored == 1
 
 
 def test_routing_does_not_starve_a_newcomer():

@@ -218,7 +218,7 @@ async def _attack(sw: Swarm, peer_id: str, good_key) -> None:
     from meshnode.node.swarm import SwarmClient, start_dht
     from meshnode.protocol.limits import Limits
     from meshnode.protocol.messages import forward_request, pack, tensor_to_bytes
-    from meshnode.protocol.records import factors_digest, prior_value
+    from meshnode.protocol.records import cycle_digest, factors_digest, prior_value
     from meshnode.protocol.servicer import RPCError, call_rpc, stream_rpc
 
     cfg = sw.cfg
@@ -290,7 +290,7 @@ async def _attack(sw: Swarm, peer_id: str, good_key) -> None:
         assert all(torch.equal(w2[k], w3[k]) for k in w2), "weights changed after a replay"
 
         # priors: wrong shapes and non-finite values from the allowed key; good-looking ones from another key
-        prior = f"{run}_prior_1"
+        prior, prior_data = keys.prior_key(run, 1), keys.prior_data_key(run, 1)
         name = "layers.0.self_attn.q_proj.weight"
         names = sorted(n for n in w0 if n.endswith(("proj.weight",)))
 
@@ -305,9 +305,10 @@ async def _attack(sw: Swarm, peer_id: str, good_key) -> None:
         def publish(c: SwarmClient, values: dict, step: int):
             async def go():
                 for nm, v in values.items():
-                    assert await c.store_signed(prior, nm, v, 120)
-                assert await c.store_signed(prior, HEADER_NAME, prior_value(kind="header", anchor_step=step,
-                                                                              names=sorted(values)), 120)
+                    assert await c.store_signed(prior_data, nm, v, 120)
+                head = prior_value(kind="header", anchor_step=step, names=sorted(values),
+                                   digest=cycle_digest({nm: v["digest"] for nm, v in values.items()}))
+                assert await c.store_signed(prior, HEADER_NAME, head, 120)
             return go()
 
         shapes = {n: tuple(w0[n].shape) for n in names}

@@ -9,8 +9,10 @@ driver steps (read from the peers' records) it runs a cycle:
    an unmasked forward/backward with dense boundaries (counted on ``anchor`` like the mesh does);
 3. fold each targeted matrix's clean gradient into its EMA and take the SVD truncated to
    ``spectral.rank`` (:class:`SpectralFilter.update_prior`, the same code the mesh uses);
-4. publish the fp16 factors to ``{run}_prior_{stage}``, one signed value per matrix plus a header
-   naming the step (the stage's optimizer step at the snapshot) and the matrices.
+4. publish the fp16 factors to ``{run}_priordata_{stage}``, one signed value per matrix, and then a
+   small header to ``{run}_prior_{stage}`` naming the step (the stage's optimizer step at the snapshot),
+   the matrices and a digest over their digests. Fast peers poll only the headers and read the
+   factors once per new cycle (node/priors.py).
 
 Anchors never take optimizer steps. The ``bias_correction`` mode is not published by the swarm
 anchor (filter modes only).
@@ -28,7 +30,7 @@ from hivemind.p2p import PeerID
 from ..protocol import keys
 from ..protocol.limits import Limits
 from ..protocol.messages import tensor_to_bytes
-from ..protocol.records import PeerRecord, factors_digest, prior_value
+from ..protocol.records import PeerRecord, cycle_digest, factors_digest, prior_value
 from ..protocol.servicer import stream_rpc
 from .host import weights_from_chunks
 from .priors import HEADER_NAME
@@ -164,17 +166,20 @@ class AnchorRunner:
         factors = await asyncio.to_thread(self._fold, grads, steps)
         ttl = max(300.0, node.opts.announce_period * 20)
         for s, fs in enumerate(factors):
-            key = keys.prior_key(node.run_id, s)
+            data_key = keys.prior_data_key(node.run_id, s)
+            digests = {}
             for name, (u, sv, vh) in fs.items():
                 ub, sb, vb = (tensor_to_bytes(t.to(torch.float16)) for t in (u, sv, vh))
+                digests[name] = factors_digest(ub, sb, vb)
                 value = prior_value(kind="matrix", anchor_step=steps[s], name=name, rank=int(sv.numel()),
                                     shape=[int(u.shape[0]), int(vh.shape[1])], u=ub, s=sb, vh=vb,
-                                    digest=factors_digest(ub, sb, vb))
-                if not await node.swarm.store_signed(key, name, value, ttl):
+                                    digest=digests[name])
+                if not await node.swarm.store_signed(data_key, name, value, ttl):
                     logger.warning("prior %s of stage %d was not stored", name, s)
                 node.counter.add("anchor", len(ub) + len(sb) + len(vb))
-            header = prior_value(kind="header", anchor_step=steps[s], names=sorted(fs), final=True)
-            await node.swarm.store_signed(key, HEADER_NAME, header, ttl)
+            header = prior_value(kind="header", anchor_step=steps[s], names=sorted(fs), digest=cycle_digest(digests),
+                                 final=True)
+            await node.swarm.store_signed(keys.prior_key(node.run_id, s), HEADER_NAME, header, ttl)
         self.cycles += 1
         self.prior_step = min(steps)
         logger.info("anchor cycle %d: published priors of steps %s", self.cycles, steps)

@@ -1,12 +1,18 @@
-"""Fast peers read the anchor prior of their stage from ``{run}_prior_{stage}`` and feed the spectral optimizer.
+"""Fast peers read the anchor prior of their stage and feed the spectral optimizer.
 
 An anchor publishes, per stage and cycle, one signed value per targeted matrix (fp16 factors ``U (m, r)``,
-``s (r,)``, ``Vh (r, n)`` and a digest) and a header naming the cycle's step and its matrices. The
-RSA signature validator of the DHT already guarantees that a value under a subkey holding key K was
+``s (r,)``, ``Vh (r, n)`` and a digest) under ``{run}_priordata_{stage}``, then a small header naming the
+cycle's step, its matrices and a digest over their digests under ``{run}_prior_{stage}``. A fast peer
+polls only the headers (about 1 kB); the factors (for the 135M model at rank 32, several MB per stage)
+are read once per new cycle. Before this split every poll (every 2 s) read every factor again, which
+on a slow link kept a fast peer's downlink busy with the same prior.
+
+The RSA signature validator of the DHT already guarantees that a value under a subkey holding key K was
 written by K; here a prior is accepted only when K is listed in ``anchor.allowed_keys``, the header
 and every matrix agree on the step, every shape matches the parameter, every value is finite, the
-digest matches, and the prior is not older than ``anchor.max_staleness`` steps of this replica.
-Anything else is ignored and logged (once per cause and anchor step).
+digests match, and the prior is not older than ``anchor.max_staleness`` steps of this replica.
+Anything else is ignored and logged (once per cause and anchor step); a cycle refused for its content
+is not read again.
 """
 
 from __future__ import annotations
@@ -18,11 +24,15 @@ from typing import Any
 from ..optim import PriorError
 from ..protocol import keys
 from ..protocol.messages import WireError, tensor_from_bytes
-from ..protocol.records import PriorRecordSchema, factors_digest
+from ..protocol.records import PriorRecordSchema, cycle_digest, factors_digest
 
 logger = logging.getLogger(__name__)
 
 HEADER_NAME = "__header__"
+
+
+class PriorIncomplete(ValueError):
+    """The factors do not (yet) match the header: the cycle may still be being written. Retried later."""
 
 
 def split_prior_subkey(subkey: Any) -> tuple[str | None, str | None]:
@@ -48,7 +58,7 @@ def validate_prior(
     for name in names:
         e = entries.get(name)
         if e is None or e.get("kind") != "matrix" or e.get("anchor_step") != step:
-            raise ValueError(f"{name}: missing or from another cycle")
+            raise PriorIncomplete(f"{name}: missing or from another cycle")
         m, n = shapes[name]
         r = e.get("rank")
         if e.get("shape") != [m, n] or not isinstance(r, int) or not 1 <= r <= min(m, n):
@@ -64,6 +74,8 @@ def validate_prior(
         if bool((s < 0).any()):
             raise ValueError(f"{name}: negative singular values")
         out[name] = (u, s, vh)
+    if header.get("digest") != cycle_digest({name: entries[name]["digest"] for name in names}):
+        raise ValueError("the header's digest does not match its matrices")
     return step, out
 
 
@@ -75,6 +87,7 @@ class PriorReader:
         self.allowed = set(node.cfg.anchor.allowed_keys)
         self.applied_step = -1
         self.ignored = 0
+        self.refused: set[tuple[str, int]] = set()  # (owner, anchor step) refused for its content
         self._logged: set[tuple[str, int, str]] = set()
         opt = node.host.worker.optimizer
         self.shapes = {name: (int(opt.params[name].shape[0]), int(opt.params[name].shape[1])) for name in opt.filters}
@@ -94,12 +107,12 @@ class PriorReader:
             except Exception as exc:
                 logger.warning("prior poll failed: %r", exc)
 
-    async def poll(self) -> int | None:
-        node = self.node
-        found = await node.swarm.get_key(keys.prior_key(node.run_id, node.stage))
-        if found is None or not isinstance(found.value, dict):
-            return None
+    @staticmethod
+    def _by_owner(found: Any) -> dict[str, dict[str, dict]]:
+        """``{owner: {name: value}}`` of a dictionary key's schema-valid, owner-signed entries."""
         by_owner: dict[str, dict[str, dict]] = {}
+        if found is None or not isinstance(found.value, dict):
+            return by_owner
         for subkey, item in found.value.items():
             owner, name = split_prior_subkey(subkey)
             if owner is None or not isinstance(item.value, dict):
@@ -109,23 +122,40 @@ class PriorReader:
             except Exception:
                 continue
             by_owner.setdefault(owner, {})[name] = item.value
-        best = None
-        for owner, entries in by_owner.items():
+        return by_owner
+
+    async def poll(self) -> int | None:
+        """Read the headers; for a new cycle from an allowed anchor read its factors, check and apply them."""
+        node = self.node
+        heads = self._by_owner(await node.swarm.get_key(keys.prior_key(node.run_id, node.stage)))
+        fresh = {}
+        for owner, entries in heads.items():
             head = entries.get(HEADER_NAME) or {}
             hstep = head.get("anchor_step", -1)
             if owner not in self.allowed:
                 self._log_once(owner, hstep, "signed by a key not in anchor.allowed_keys")
                 continue
-            if hstep <= self.applied_step:
+            if head.get("kind") != "header" or hstep <= self.applied_step or (owner, hstep) in self.refused:
                 continue
+            age = node.host.opt_step - hstep
+            if age > node.cfg.anchor.max_staleness:
+                self._log_once(owner, hstep, f"stale ({age} > {node.cfg.anchor.max_staleness} steps)")
+                continue
+            fresh[owner] = head
+        if not fresh:
+            return None
+        data = self._by_owner(await node.swarm.get_key(keys.prior_data_key(node.run_id, node.stage)))
+        best = None
+        for owner, head in fresh.items():
+            entries = {**data.get(owner, {}), HEADER_NAME: head}
             try:
                 step, factors = validate_prior(entries, self.shapes)
-            except (ValueError, KeyError, TypeError) as exc:
-                self._log_once(owner, hstep, str(exc))
+            except PriorIncomplete as exc:
+                self._log_once(owner, head["anchor_step"], str(exc))
                 continue
-            age = node.host.opt_step - step
-            if age > node.cfg.anchor.max_staleness:
-                self._log_once(owner, step, f"stale ({age} > {node.cfg.anchor.max_staleness} steps)")
+            except (ValueError, KeyError, TypeError) as exc:
+                self.refused.add((owner, head["anchor_step"]))
+                self._log_once(owner, head["anchor_step"], str(exc))
                 continue
             if best is None or step > best[0]:
                 best = (step, factors, owner)
@@ -143,4 +173,4 @@ class PriorReader:
         return step
 
 
-__all__ = ["HEADER_NAME", "PriorReader", "split_prior_subkey", "validate_prior"]
+__all__ = ["HEADER_NAME", "PriorIncomplete", "PriorReader", "split_prior_subkey", "validate_prior"]

@@ -28,7 +28,13 @@ def peers_key(run: str) -> str:
 
 
 def prior_key(run: str, stage: int) -> str:
+    """The stage's prior *headers* (one small signed value per anchor): what fast peers poll."""
     return f"{run}_prior_{stage}"
+
+
+def prior_data_key(run: str, stage: int) -> str:
+    """The stage's prior *factors* (one signed value per anchor and matrix): read only when a header is new."""
+    return f"{run}_priordata_{stage}"
 
 
 def dp_prefix(run: str, stage: int) -> str:
@@ -74,5 +80,6 @@ def owner_of(subkey: bytes) -> str | None:
 
 
 __all__ = [
-    "dp_prefix", "load_or_create_identity", "owner_of", "owner_tag", "peers_key", "prior_key", "public_key_string",
+    "dp_prefix", "load_or_create_identity", "owner_of", "owner_tag", "peers_key", "prior_data_key", "prior_key",
+    "public_key_string",
 ]

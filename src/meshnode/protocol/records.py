@@ -73,10 +73,12 @@ class PriorRecordSchema(pydantic.BaseModel):
 
 
 def make_schema_validator(run: str, num_stages: int) -> SchemaValidator:
-    """A SchemaValidator for every key of ``run``: ``{run}_peers`` and ``{run}_prior_{stage}``."""
+    """A SchemaValidator for every key of ``run``: ``{run}_peers``, ``{run}_prior_{stage}`` and
+    ``{run}_priordata_{stage}``."""
     fields: dict[str, Any] = {"peers": (dict[BytesWithPublicKey, PeerRecordSchema | None], None)}
     for s in range(num_stages):
         fields[f"prior_{s}"] = (dict[BytesWithPublicKey, PriorRecordSchema | None], None)
+        fields[f"priordata_{s}"] = (dict[BytesWithPublicKey, PriorRecordSchema | None], None)
     model = pydantic.create_model(f"SwarmSchema_{abs(hash(run))}", **fields)
     return SchemaValidator(model, allow_extra_keys=True, prefix=run)
 
@@ -162,7 +164,12 @@ def factors_digest(u: bytes, s: bytes, vh: bytes) -> str:
     return hashlib.sha256(u + s + vh).hexdigest()[:16]
 
 
+def cycle_digest(digests: dict[str, str]) -> str:
+    """One digest over a cycle's matrix digests (by name): the header's binding to its factors."""
+    return hashlib.sha256("".join(f"{k}={digests[k]};" for k in sorted(digests)).encode()).hexdigest()[:16]
+
+
 __all__ = [
     "PeerRecord", "PeerRecordSchema", "PriorRecordSchema", "ROLES", "prior_value", "SOFTWARE_VERSION", "STATES",
-    "factors_digest", "make_schema_validator", "parse_peers",
+    "cycle_digest", "factors_digest", "make_schema_validator", "parse_peers",
 ]
