@@ -479,7 +479,9 @@ def reshape_tbf(net, rate_mbit: float, delay_ms: float, mtu: int = 1500) -> dict
 
 def run_variant(net, variant: str, bench: BenchModel, replicas: int, workdir: Path, cache_dir: Path, *,
                 warmup_s: float, window_s: float, pin: bool, anchor_period: int, dp_inner_steps: int,
-                dp_overlap: bool = True) -> dict:
+                dp_overlap: bool = True, min_steps: int = 0, max_window_s: float | None = None) -> dict:
+    """One fresh swarm of ``variant``; measured over ``window_s`` after ``warmup_s``, extended (up to
+    ``max_window_s``) until every driver has ``min_steps`` steps in its window."""
     from meshnode.protocol import keys
 
     vdir = workdir / variant
@@ -516,6 +518,7 @@ def run_variant(net, variant: str, bench: BenchModel, replicas: int, workdir: Pa
         return peer
 
     started = time.monotonic()
+    link_samples: list[dict] = []
     try:
         # namespaces: [stage Y-1 .. 1] x R, the anchor, then the R drivers (stage 0), as the demo orders them
         idx = 0
@@ -543,26 +546,32 @@ def run_variant(net, variant: str, bench: BenchModel, replicas: int, workdir: Pa
         logger.info("%s: %d peers ready after %.0fs; measuring %.0fs after %.0fs warm-up", variant, len(peers),
                     ready_s, window_s, warmup_s)
         first = None
-        deadline = time.monotonic() + warmup_s + window_s + 240
+        longest = max(window_s, max_window_s or window_s)
+        deadline = time.monotonic() + warmup_s + longest + 240
         while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):  # a failed read costs one sample, not the run
+                link_samples.append({"t": time.time(), "links": net.link_bytes()})
             dead = [p.name for p in peers if not p.alive()]
             if dead:
                 raise RuntimeError(f"{variant}: peer(s) {dead} exited: {_tail(vdir / (dead[0] + '.log'))}")
             if first is None and all(any("step" in r for r in d.records()) for d in drivers):
                 first = time.monotonic()
             if first is not None and time.monotonic() - first >= warmup_s + window_s:
-                break
+                wins = [driver_window(d.records(), warmup_s) for d in drivers]
+                enough = all(w is not None and w["steps"] >= min_steps for w in wins)
+                if enough or time.monotonic() - first >= warmup_s + longest:
+                    break
             time.sleep(1.0)  # the benchmark's own pacing loop (not a test)
         else:
             raise TimeoutError(f"{variant}: drivers did not run for {warmup_s + window_s:.0f}s in time")
     finally:
         for p in reversed(peers):
             p.stop()
-    return summarize(variant, peers, bench, replicas, warmup_s, ready_s)
+    return summarize(variant, peers, bench, replicas, warmup_s, ready_s, link_samples)
 
 
 def summarize(variant: str, peers: list[Peer], bench: BenchModel, replicas: int, warmup_s: float,
-              ready_s: float) -> dict:
+              ready_s: float, link_samples: list[dict] | None = None) -> dict:
     drivers = [p for p in peers if p.role == "driver"]
     wins = [driver_window(p.records(), warmup_s) for p in drivers]
     if any(w is None for w in wins):
@@ -578,12 +587,21 @@ def summarize(variant: str, peers: list[Peer], bench: BenchModel, replicas: int,
     stage_busy: dict[int, list[float]] = {}
     stage_cmb: dict[int, list[float]] = {}
     tpm = bench.tokens_per_microbatch
+    wire_total = 0.0
     for p in peers:
         recs = [r for r in p.records() if "t" in r]
         w = peer_window(recs, t0, t1)
         sent = sum(w["bytes"].values())
         per_peer[p.name] = {"role": p.role, "stage": p.stage, "bytes_sent": w["bytes"], "compute_s": w["compute_s"],
                             "sent_bytes_per_s": sent / span}
+        if link_samples:  # what the peer's access link carried: every byte, counted or not
+            up = [{"t": x["t"], "v": x["links"].get(p.ns_index, (0, 0))[0]} for x in link_samples]
+            down = [{"t": x["t"], "v": x["links"].get(p.ns_index, (0, 0))[1]} for x in link_samples]
+            wire_up = interpolate(up, t1, lambda x: x["v"]) - interpolate(up, t0, lambda x: x["v"])
+            wire_down = interpolate(down, t1, lambda x: x["v"]) - interpolate(down, t0, lambda x: x["v"])
+            per_peer[p.name].update(wire_up_bytes=wire_up, wire_down_bytes=wire_down,
+                                    wire_up_over_counted=wire_up / sent if sent > 0 else None)
+            wire_total += wire_up
         for a in perf.AXES:
             totals[a] += w["bytes"][a]
         if p.stage >= 0:
@@ -598,6 +616,8 @@ def summarize(variant: str, peers: list[Peer], bench: BenchModel, replicas: int,
         "busy_fraction": {f"stage{s}": statistics.mean(v) for s, v in sorted(stage_busy.items())},
         "compute_s_per_microbatch": {f"stage{s}": statistics.mean(v) for s, v in sorted(stage_cmb.items())},
         "steps_in_window": [w["steps"] for w in wins],
+        **({"wire_bytes_per_token": wire_total / tokens, "wire_over_counted": wire_total / (bpt["total"] * tokens)}
+           if link_samples and bpt["total"] > 0 else {}),
     }
 
 
@@ -732,6 +752,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--warmup-s", type=float, default=15.0)
     ap.add_argument("--window-s", type=float, default=60.0)
+    ap.add_argument("--min-steps", type=int, default=0,
+                    help="extend a variant's window until every driver has this many steps in it")
+    ap.add_argument("--max-window-s", type=float, default=None, help="the longest a window is extended to")
     ap.add_argument("--anchor-period", type=int, default=10)
     ap.add_argument("--dp-inner-steps", type=int, default=10)
     ap.add_argument("--pin", action="store_true", help="taskset peer i to core i mod ncores")
@@ -801,7 +824,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 res = run_variant(net, v, bench, args.replicas, workdir, args.cache_dir, warmup_s=args.warmup_s,
                                   window_s=args.window_s, pin=args.pin, anchor_period=args.anchor_period,
-                                  dp_inner_steps=args.dp_inner_steps, dp_overlap=not args.dp_blocking)
+                                  dp_inner_steps=args.dp_inner_steps, dp_overlap=not args.dp_blocking,
+                                  min_steps=args.min_steps, max_window_s=args.max_window_s)
             except Exception as exc:  # one failed variant must not lose the others
                 logger.error("%s failed: %s", v, exc)
                 results[v] = {"error": str(exc)}

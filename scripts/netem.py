@@ -301,6 +301,18 @@ class EmulatedNetwork:
     def run(self, i: int, argv: Sequence[str], timeout: float = 60.0, check: bool = True) -> str:
         return _run(self.argv(i, argv), timeout=timeout, check=check)
 
+    def link_bytes(self) -> dict[int, tuple[int, int]]:
+        """``{peer: (uploaded, downloaded)}`` bytes so far on each peer's access link: everything on the wire
+        (IP and TCP headers, libp2p framing, the DHT, retransmissions), read from the hub's ports in one call."""
+        out: dict[int, tuple[int, int]] = {}
+        for link in json.loads(_run(["ip", "-n", self.hub_ns(), "-s", "-j", "link", "show"])):
+            name = link.get("ifname", "")
+            if name.startswith("p") and name[1:].isdigit():
+                st = link.get("stats64") or link.get("stats") or {}
+                # the hub port receives what the peer sends, and transmits what the peer downloads
+                out[int(name[1:])] = (int(st["rx"]["bytes"]), int(st["tx"]["bytes"]))
+        return out
+
     def popen(self, i: int, argv: Sequence[str], **kwargs) -> subprocess.Popen:
         """Start ``argv`` inside peer ``i``; the caller stops it (``down`` kills leftovers too)."""
         return subprocess.Popen(self.argv(i, argv), **kwargs)

@@ -103,3 +103,32 @@ def test_step_barrier_lowers_the_rate():
     assert bar.tokens_per_s < free.tokens_per_s
     # (m - 1) t_max + T_rt = 3 * 0.1 + (0.2 + 0.16) per 4 microbatches
     assert bar.microbatches_per_s == pytest.approx(4 / (3 * 0.1 + 0.2 + 8 * 2e5 / 1e7))
+
+
+class _FakePeer:
+    def __init__(self, name, ns_index, role, stage, recs):
+        self.name, self.ns_index, self.role, self.stage, self._recs = name, ns_index, role, stage, recs
+
+    def records(self):
+        return self._recs
+
+
+def test_summarize_counts_wire_bytes_per_peer():
+    """Link counters are interpolated over the drivers' window, per peer, and set against the counted bytes."""
+    steps = [{"step": i, "t": 10.0 * i, "tokens": 1000 * i, "compute_s": 0.0,
+              "bytes": {"pp_fwd": 100 * i}} for i in range(5)]
+    ticks = [{"t": 10.0 * i, "bytes": {"pp_bwd": 50 * i}, "compute_s": 0.0, "tokens": 0} for i in range(5)]
+    peers = [_FakePeer("driver-0", 1, "driver", 0, steps),
+             _FakePeer("stage1-0", 0, "fast", 1, ticks)]
+    # peer 1 (the driver) uploads 300 B/s on the wire, peer 0 uploads 150 B/s
+    links = [{"t": 5.0 * i, "links": {1: (1500 * i, 0), 0: (750 * i, 10 * i)}} for i in range(9)]
+    out = bt.summarize("dense", peers, bt.BenchModel(), 1, warmup_s=10.0, ready_s=1.0, link_samples=links)
+    assert out["window_s"] == pytest.approx(30.0)  # steps 1..4
+    assert out["tokens_per_s"] == pytest.approx(100.0)
+    d, f = out["peers"]["driver-0"], out["peers"]["stage1-0"]
+    assert d["wire_up_bytes"] == pytest.approx(9000) and f["wire_up_bytes"] == pytest.approx(4500)
+    assert f["wire_down_bytes"] == pytest.approx(60)
+    assert d["wire_up_over_counted"] == pytest.approx(9000 / 300)  # counted: 100 B per step on pp_fwd
+    assert out["wire_bytes_per_token"] == pytest.approx(13500 / 3000)
+    assert out["wire_over_counted"] == pytest.approx(13500 / 450)
+    assert "wire_bytes_per_token" not in bt.summarize("dense", peers, bt.BenchModel(), 1, 10.0, 1.0)

@@ -73,11 +73,17 @@ def test_shaped_rate_and_clean_teardown(run_id, tmp_path):
     with netem.emulated_network(config, state_path, run_id=run_id, install=False) as net:
         assert state_path.exists()
         assert len(net.state.namespaces) == 3  # hub + 2 peers
+        before = net.link_bytes()
         m = net.measure(0, 1, seconds=3.0, ping=False)
+        after = net.link_bytes()
         assert net.state.congestion_control
         assert m.congestion_control == net.state.congestion_control
         rules = net.run(1, ["iptables-save"])
     assert 0.80 * RATE_MBIT <= m.mbit_per_s <= 1.05 * RATE_MBIT, m
+    # the link counters see the payload plus headers: peer 0 uploaded it, peer 1 downloaded it
+    up0, down1 = after[0][0] - before[0][0], after[1][1] - before[1][1]
+    assert m.bytes <= up0 <= 1.15 * m.bytes + 100_000, (m.bytes, up0)
+    assert m.bytes <= down1 <= 1.15 * m.bytes + 100_000, (m.bytes, down1)
     assert "NFQUEUE" not in rules  # no delay asked, no queue
     _assert_gone(run_id, state_path)
 
