@@ -755,6 +755,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-steps", type=int, default=0,
                     help="extend a variant's window until every driver has this many steps in it")
     ap.add_argument("--max-window-s", type=float, default=None, help="the longest a window is extended to")
+    ap.add_argument("--window-s-anchor", type=float, default=None,
+                    help="window of the variants with an anchor (long enough for whole anchor cycles to land in it)")
     ap.add_argument("--anchor-period", type=int, default=10)
     ap.add_argument("--dp-inner-steps", type=int, default=10)
     ap.add_argument("--pin", action="store_true", help="taskset peer i to core i mod ncores")
@@ -822,8 +824,10 @@ def main(argv: list[str] | None = None) -> int:
             fwd, bwd = codec_sizes(v, bench)
             vs = WireSizes(fwd, bwd, sizes.dp_per_sync, sizes.prior_per_cycle, sizes.snapshot_per_cycle)
             try:
+                anchored = args.window_s_anchor and v in ("m95_ap", "m95_ap_dp")
+                window = args.window_s_anchor if anchored else args.window_s
                 res = run_variant(net, v, bench, args.replicas, workdir, args.cache_dir, warmup_s=args.warmup_s,
-                                  window_s=args.window_s, pin=args.pin, anchor_period=args.anchor_period,
+                                  window_s=window, pin=args.pin, anchor_period=args.anchor_period,
                                   dp_inner_steps=args.dp_inner_steps, dp_overlap=not args.dp_blocking,
                                   min_steps=args.min_steps, max_window_s=args.max_window_s)
             except Exception as exc:  # one failed variant must not lose the others

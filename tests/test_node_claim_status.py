@@ -115,10 +115,12 @@ class _FakeReaderNode:
         self.tag = keys.owner_tag(owner_key)
         self.dht: dict[str, dict] = {}
         self.reads: list[str] = []
+        self.latest: list[bool] = []
         self.pushed: list[int] = []
 
-        async def get_key(key):
+        async def get_key(key, latest=True):
             self.reads.append(key)
+            self.latest.append(latest)
             return _Found({k: _Found(v) for k, v in self.dht.get(key, {}).items()}) if key in self.dht else None
 
         async def run(fn, *args):
@@ -159,6 +161,13 @@ def test_prior_reader_reads_the_factors_once_per_cycle():
     node.reads.clear()
     assert asyncio.run(reader.poll()) is None and asyncio.run(reader.poll()) is None
     assert node.reads == [head, data, head] and node.pushed == [5] and reader.ignored == 1
+    # a cycle whose header is visible before all its factors: the next read merges every holder's copy
+    half = _prior(shapes, step=9)
+    node.publish({k: v for k, v in half.items() if k != "b"})
+    node.reads.clear(), node.latest.clear()
+    assert asyncio.run(reader.poll()) is None and node.reads == [head, data] and node.latest == [True, False]
+    node.publish({"b": half["b"]})
+    assert asyncio.run(reader.poll()) == 9 and node.pushed == [5, 9] and node.latest[-1] is True
 
 
 def test_routing_does_not_starve_a_newcomer():

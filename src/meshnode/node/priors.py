@@ -88,6 +88,7 @@ class PriorReader:
         self.applied_step = -1
         self.ignored = 0
         self.refused: set[tuple[str, int]] = set()  # (owner, anchor step) refused for its content
+        self.incomplete = False  # the last read of the factors missed a matrix: the next one merges every holder
         self._logged: set[tuple[str, int, str]] = set()
         opt = node.host.worker.optimizer
         self.shapes = {name: (int(opt.params[name].shape[0]), int(opt.params[name].shape[1])) for name in opt.filters}
@@ -144,13 +145,17 @@ class PriorReader:
             fresh[owner] = head
         if not fresh:
             return None
-        data = self._by_owner(await node.swarm.get_key(keys.prior_data_key(node.run_id, node.stage)))
+        # the factors are large: read one holder's copy, and merge every holder's only after an incomplete read
+        data = self._by_owner(await node.swarm.get_key(keys.prior_data_key(node.run_id, node.stage),
+                                                       latest=self.incomplete))
+        self.incomplete = False
         best = None
         for owner, head in fresh.items():
             entries = {**data.get(owner, {}), HEADER_NAME: head}
             try:
                 step, factors = validate_prior(entries, self.shapes)
             except PriorIncomplete as exc:
+                self.incomplete = True
                 self._log_once(owner, head["anchor_step"], str(exc))
                 continue
             except (ValueError, KeyError, TypeError) as exc:

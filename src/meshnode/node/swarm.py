@@ -116,8 +116,10 @@ class SwarmClient:
             self.snapshot_time = time.monotonic()
             return self.peers
 
-    async def get_key(self, key: str) -> Any:
-        return await self.dht.get(key, latest=True, return_future=True)
+    async def get_key(self, key: str, latest: bool = True) -> Any:
+        """``key``'s value. ``latest=True`` asks every node on the search path and merges their subkeys (each
+        holder sends its whole value: up to ``num_replicas`` copies); ``latest=False`` stops at the first holder."""
+        return await self.dht.get(key, latest=latest, return_future=True)
 
     async def announce(self, record: PeerRecord, ttl: float) -> bool:
         record.peer_id = self.peer_id
