@@ -114,3 +114,19 @@ def test_message_overhead_adds_to_every_hop():
     slow = simulate(_spec([SimStage(0, 0, 0, 0)] * 3, latency_s=0.1, message_overhead_s=0.05))
     assert base.step_s == pytest.approx(0.4)
     assert slow.step_s == pytest.approx(0.4 + 4 * 0.05)  # four messages on the critical path
+
+
+def test_anchor_cycle_fetches_stage_by_stage_then_publishes():
+    # driver steps take 1 s (0.5 fwd + 0.5 bwd, no bytes); period 2: the cycle starts when step 2 ends (t = 2),
+    # fetches stage 0 (1000 B at 1000 B/s: t = 3), then stage 1 (2000 B: t = 5), computes 0.5 s and publishes
+    # at 5.5; driver 0 is then at step 5, so the next cycle starts at step 7 (t = 7) and publishes at 10.5
+    kw = dict(anchor_period=2, snapshot_bytes=[1000, 2000], anchor_compute_s=0.5, steps=12, prior_bytes=[100, 300])
+    stages = [SimStage(0.5, 0.5, 0, 0), SimStage(0, 0, 0, 0)]
+    direct = simulate(_spec(stages, **kw))
+    assert direct.anchor_published[:2] == pytest.approx([5.5, 10.5])
+    assert direct.step_s == pytest.approx(1.0)  # the anchor has its own link: the chain does not notice
+    # through the DHT (at most 5 holders, here both fast peers): each stage's prior goes to every peer
+    dht = simulate(_spec(stages, prior_holders=5, **kw))
+    sent = {name: r.link_utilisation["anchor"] * r.sim_time_s * 1000 for name, r in (("d", direct), ("h", dht))}
+    assert sent["d"] == pytest.approx(2 * 400, rel=0.01)  # two cycles, 100 + 300 bytes each
+    assert sent["h"] == pytest.approx(2 * 800, rel=0.01)

@@ -32,9 +32,13 @@ What is simulated (pure Python, no torch, deterministic):
   partners do not come within ``dp_timeout_s`` syncs alone (no bytes). With
   ``dp_blocking`` the replica's gate stays closed until its sync is done (``node/dp.py`` before
   ``dp.overlap``); without it the sync's flows only compete for bandwidth.
-* **Anchor.** Every ``anchor_period`` steps of driver 0, an anchor peer (its own link) pulls
-  ``snapshot_bytes[s]`` from replica 0 of every stage and sends ``prior_bytes[s]`` to every replica of
-  stage ``s``; a cycle is skipped while the previous one's fetch is still running.
+* **Anchor** (``node/anchor.py``'s cycle). An anchor peer (its own link) pulls ``snapshot_bytes[s]``
+  from replica 0 of each stage, one stage after the other, runs its pass (``anchor_compute_s``) and
+  publishes ``prior_bytes[s]`` per stage: with ``prior_holders = 0`` straight to every replica of stage
+  ``s``; with ``prior_holders = k`` as the DHT does it, a store to the ``k`` peers that hold the key (all
+  of them when the swarm has at most ``k`` peers; a reader that holds the key reads it locally, others
+  read one holder's copy). The next cycle starts ``anchor_period`` steps of driver 0 after the last one
+  was published.
 
 Tokens/s is measured as in the benchmark: the drivers' tokens of the steps that *end* inside a window
 after ``warmup_steps``, over that window.
@@ -82,6 +86,7 @@ class SimSpec:
     anchor_period: int = 0  # 0 = no anchor
     snapshot_bytes: Sequence[float] = ()  # per stage and anchor cycle, from replica 0 of the stage
     prior_bytes: Sequence[float] = ()  # per stage and cycle, to every replica of the stage
+    prior_holders: int = 0  # 0: priors sent to the stage's replicas; k: stored on k DHT holders (see above)
     message_overhead_s: float = 0.0  # per message, added to its delivery (serialisation, RPC layers)
     cores: int | None = None  # CPU cores shared by every peer's compute (None: a core per peer)
     anchor_compute_s: float = 0.0  # the anchor's forward + backward per cycle (on the shared cores)
@@ -108,6 +113,7 @@ class SimResult:
     link_utilisation: dict[str, float]  # per peer: bytes sent / (window x capacity)
     busy_fraction: dict[str, float]  # per peer: compute seconds / window
     sim_time_s: float
+    anchor_published: list[float] = field(default_factory=list)  # when each anchor cycle's priors went out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,7 +177,9 @@ class _Sim:
             self.peers.append(_Peer("anchor", -1, 0))
         self.driver_steps: dict[int, list[float]] = {d: [] for d in self.by_stage[0]}
         self.dp_groups: dict[tuple[int, int], dict] = {}
-        self.anchor_fetching = 0
+        self.anchor_busy = False
+        self.anchor_next = spec.anchor_period  # driver 0's step that starts the next cycle
+        self.anchor_published: list[float] = []
 
     # -- events
     def at(self, t: float, fn: Callable[[], None]) -> None:
@@ -377,7 +385,8 @@ class _Sim:
         peer = self.peers[p]
         if peer.stage == 0:
             self.driver_steps[p].append(self.now)
-            if p == self.by_stage[0][0] and self.anchor is not None and peer.opt_step % self.spec.anchor_period == 0:
+            if (p == self.by_stage[0][0] and self.anchor is not None and not self.anchor_busy
+                    and peer.opt_step >= self.anchor_next):
                 self.anchor_cycle()
             if len(self.driver_steps[p]) < self.spec.steps:
                 self.start_step(p)
@@ -435,24 +444,39 @@ class _Sim:
         self.at(self.now + self.spec.dp_matchmaking_s, exchange)
 
     def anchor_cycle(self) -> None:
-        """Fetch every stage's snapshot and push the priors; a cycle starts only when the last one's fetch is done
-        (the anchor runs one cycle at a time, so a slow fetch stretches its period)."""
-        if self.anchor_fetching:
-            return
-        a = self.anchor
-        self.anchor_fetching = len(self.by_stage)
-        if self.spec.anchor_compute_s > 0:
-            self.compute(a, self.spec.anchor_compute_s, lambda: None)
+        """Fetch the stages' snapshots one after the other, run the pass, publish the priors; the next cycle
+        starts ``anchor_period`` driver steps after the publication (the anchor runs one cycle at a time)."""
+        a, spec = self.anchor, self.spec
+        self.anchor_busy = True
+        stages = len(self.by_stage)
 
-        def fetched():
-            self.anchor_fetching -= 1
+        def fetch(s: int) -> None:
+            if s == stages:
+                self.compute(a, spec.anchor_compute_s, publish)
+                return
+            snap = spec.snapshot_bytes[s] if s < len(spec.snapshot_bytes) else 0.0
+            self.send(self.by_stage[s][0], a, snap, lambda: fetch(s + 1))
 
-        for s, ids in enumerate(self.by_stage):
-            snap = self.spec.snapshot_bytes[s] if s < len(self.spec.snapshot_bytes) else 0.0
-            prior = self.spec.prior_bytes[s] if s < len(self.spec.prior_bytes) else 0.0
-            self.send(ids[0], a, snap, fetched)
-            for q in ids:
-                self.send(a, q, prior, lambda: None)
+        def publish() -> None:
+            self.anchor_published.append(self.now)
+            for s, ids in enumerate(self.by_stage):
+                prior = spec.prior_bytes[s] if s < len(spec.prior_bytes) else 0.0
+                if spec.prior_holders <= 0:
+                    for q in ids:
+                        self.send(a, q, prior, lambda: None)
+                    continue
+                others = [q for q in range(len(self.peers)) if q != a]
+                holders = others if len(others) <= spec.prior_holders else \
+                    [others[(s * 7 + i) % len(others)] for i in range(spec.prior_holders)]
+                for q in holders:
+                    self.send(a, q, prior, lambda: None)
+                for i, q in enumerate(ids):
+                    if q not in holders:
+                        self.send(holders[i % len(holders)], q, prior, lambda: None)
+            self.anchor_busy = False
+            self.anchor_next = self.peers[self.by_stage[0][0]].opt_step + spec.anchor_period
+
+        fetch(0)
 
 
 def simulate(spec: SimSpec) -> SimResult:
@@ -476,6 +500,7 @@ def simulate(spec: SimSpec) -> SimResult:
         link_utilisation={p.name: p.sent / (sim.now * sim.cap) for p in sim.peers} if sim.now > 0 else {},
         busy_fraction={p.name: p.compute_s / sim.now for p in sim.peers} if sim.now > 0 else {},
         sim_time_s=sim.now,
+        anchor_published=list(sim.anchor_published),
     )
 
 
