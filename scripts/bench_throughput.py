@@ -62,6 +62,7 @@ logger = logging.getLogger("bench_throughput")
 VARIANTS = ("dense", "m95", "m95_ap", "m95_ap_dp", "topk", "int8", "rotq2")
 TCP_GOODPUT = 1448 / 1514  # payload share of an MTU frame that tbf counts (netem.md)
 LABEL_BYTES = 2  # token ids travel with every forward payload as uint16 (byte-level vocabulary)
+DHT_REPLICAS = 5  # hivemind DHTNode's num_replicas: a stored value goes to the 5 nodes nearest its key
 DP_MATCHMAKING_S = 2.0  # node/dp.py: min_matchmaking_time of each of the 2 averaging rounds per sync
 
 BENCH_TOML = """# scripts/bench_throughput.py: a random Llama-architecture model, byte-level tokens, a CPython slice.
@@ -286,11 +287,12 @@ FWD_SHARE = 1 / 3  # forward : backward compute = 1 : 2 (the backward computes t
 def simulate_variant(variant: str, bench: BenchModel, replicas: int, compute_s: list[float], sizes: WireSizes,
                      link_mbit: float, delay_ms: float, *, dp_inner_steps: int = 10, anchor_period: int = 10,
                      dp_overlap: bool = True, steps: int = 30,
-                     message_overhead_s: float = 0.0) -> perf_sim.SimResult:
+                     message_overhead_s: float = 0.0, prior_holders: int = DHT_REPLICAS) -> perf_sim.SimResult:
     """The event-level cost model (:mod:`meshnode.perf_sim`) of one variant of the benchmark swarm.
 
     Same inputs as :func:`predict_variant`. DP: a sync's two averaging rounds each take at least
-    ``DP_MATCHMAKING_S`` of matchmaking; blocking unless the run used ``dp.overlap``.
+    ``DP_MATCHMAKING_S`` of matchmaking; blocking unless the run used ``dp.overlap``. Priors reach the
+    fast peers through the DHT: stored on ``prior_holders`` peers (node/priors.py reads one holder's copy).
     """
     dp_on = variant == "m95_ap_dp"
     ap_on = variant in ("m95_ap", "m95_ap_dp")
@@ -302,12 +304,19 @@ def simulate_variant(variant: str, bench: BenchModel, replicas: int, compute_s: 
         dp_blocking=not dp_overlap, dp_matchmaking_s=2 * DP_MATCHMAKING_S,
         anchor_period=anchor_period if ap_on else 0, snapshot_bytes=sizes.snapshot_per_cycle,
         prior_bytes=sizes.prior_per_cycle, steps=steps, warmup_steps=4, message_overhead_s=message_overhead_s,
+        prior_holders=prior_holders,
     )
     return perf_sim.simulate(spec)
 
 
+def model_steps(measured: dict, least: int = 30) -> int:
+    """Driver steps for the event model of a measured variant: its warm-up (4) plus as many steps as the
+    measured window held, so slow anchor cycles land in the simulated window as they did in the measured one."""
+    return max(least, 5 + max(measured.get("steps_in_window") or [0]))
+
+
 def _sim_of(result: dict, variant: str, overhead_s: float, link_mbit: float | None = None,
-            steps: int = 30) -> perf_sim.SimResult:
+            steps: int | None = None) -> perf_sim.SimResult:
     """The event model of one recorded variant (its recorded inputs), with a given per-message overhead."""
     r = result["variants"][variant]
     mi = r["model_inputs"]
@@ -318,8 +327,8 @@ def _sim_of(result: dict, variant: str, overhead_s: float, link_mbit: float | No
                             mi["compute_s_per_microbatch"], sz,
                             link["rate_mbit_each_way"] if link_mbit is None else link_mbit,
                             link["delay_ms_one_way"], dp_inner_steps=mi["dp_inner_steps"],
-                            anchor_period=mi["anchor_period"], dp_overlap=mi.get("dp_overlap", False), steps=steps,
-                            message_overhead_s=overhead_s)
+                            anchor_period=mi["anchor_period"], dp_overlap=mi.get("dp_overlap", False),
+                            steps=model_steps(r) if steps is None else steps, message_overhead_s=overhead_s)
 
 
 def fit_message_overhead(result: dict, variant: str, hi_s: float = 2.0) -> float:
@@ -839,7 +848,8 @@ def main(argv: list[str] | None = None) -> int:
                                    dp_inner_steps=args.dp_inner_steps, anchor_period=args.anchor_period)
             sim = simulate_variant(v, bench, args.replicas, cmb, vs, rate, args.delay_ms,
                                    dp_inner_steps=args.dp_inner_steps, anchor_period=args.anchor_period,
-                                   dp_overlap=not args.dp_blocking, message_overhead_s=overhead)
+                                   dp_overlap=not args.dp_blocking, message_overhead_s=overhead,
+                                   steps=model_steps(res))
             record_predictions(res, sim, pred, wave_tokens_per_s(pred, bench, args.replicas, args.delay_ms))
             res["model_inputs"] = {"compute_s_per_microbatch": cmb, "pp_fwd_bytes": fwd, "pp_bwd_bytes": bwd,
                                    "dp_per_sync": vs.dp_per_sync, "prior_per_cycle": vs.prior_per_cycle,

@@ -5,7 +5,8 @@ matrices (attention q/k/v/o, MLP gate/up/down) with dense boundaries (G_clean) a
 (G_mask, zero fill and mean fill, same batch and weights), and reports per stage the mean cosine
 cos(G_mask, G_clean), the norm ratio, and the cosine after the paper's spectral filter
 (alpha 0.3, tau 1e-3) whose prior is the clean gradient of *another* batch (what an anchor provides),
-plus the filter with alpha = 0. Aggregates over matrices and batches.
+plus the filter with alpha = 0, and the share of the norm the alpha = 0 filter keeps of G_clean, of
+G_mask and of the mask's error G_mask - G_clean. Aggregates over matrices and batches.
 
     python scripts/probe_gradient_alignment.py [--batches 3] [--ratio 0.95]
 """
@@ -75,6 +76,14 @@ def main() -> None:
                         f.update_prior(prior[name], 0)
                         acc.setdefault(f"{fill}: cos(filter a={alpha}(G_mask), G_clean)", []).append(
                             cos(f.filter(gm, 0), clean))
+                        if alpha == 0.0:
+                            # how much of each part the pure filter keeps: the signal (G_clean), the masked
+                            # gradient, and the mask's error (G_mask - G_clean); a filter that helps keeps
+                            # much more of the first than of the last
+                            err = gm - clean
+                            for what, t in (("G_clean", clean), ("G_mask", gm), ("G_mask - G_clean", err)):
+                                acc.setdefault(f"{fill}: |filter a=0({what})| / |{what}|", []).append(
+                                    float(f.filter(t, 0).norm() / (t.norm() + 1e-30)))
         rows[f"stage {s}"] = {k: round(sum(v) / len(v), 4) for k, v in acc.items()}
     print(json.dumps(rows, indent=1))
     Path(args.out).write_text(json.dumps({"command": "python scripts/probe_gradient_alignment.py "
