@@ -65,6 +65,8 @@ VARIANTS: dict[str, list[str]] = {
     "m95_ap_full": ["mask.ratio=0.95", *AP, "anchor.period=10", "spectral.rank=0"],
     "m95_clean10": ["mask.ratio=0.95", *AP, "spectral.mode=clean_every", "spectral.clean_every=10",
                     "anchor.period=10"],
+    "m95_clean5": ["mask.ratio=0.95", *AP, "spectral.mode=clean_every", "spectral.clean_every=5",
+                   "anchor.period=5"],
     "m95_def": ["mask.ratio=0.95", *AP, "anchor.period=10", "spectral.mode=delayed_ef"],
     "m95_lr3e-5": ["mask.ratio=0.95", "train.lr=3e-5"],
     "m95_bc": ["mask.ratio=0.95", *AP, "spectral.mode=bias_correction", "anchor.period=10"],
