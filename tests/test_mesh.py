@@ -144,3 +144,24 @@ def test_anchor_resume_is_bit_identical(tiny_cfg, cache_dir, tmp_path):
     c.load_checkpoint(tmp_path / "ck")
     c.train()
     assert c.losses == a.losses
+
+
+def test_filter_changes_the_trajectory_only_once_a_prior_arrives(tiny_cfg, cache_dir):
+    """alpha = 1 is plain masked training; alpha = 0 follows it bit for bit until the first prior is
+    delivered (after 2K steps) and then moves the targeted matrices elsewhere: the prior reaches the update."""
+    args = (*EXACT, "train.steps=8", "mask.ratio=0.9", "anchor.enabled=true", "anchor.period=3", "spectral.rank=4")
+
+    def weights_after(steps: int, alpha: str) -> dict[str, torch.Tensor]:
+        t = MeshTrainer(tiny_cfg(*args, f"spectral.alpha={alpha}"), cache_dir)
+        for _ in range(steps):
+            t.train_step()
+        w = t.workers[0][1]
+        return {n: p.detach().clone() for n, p in w.module.named_parameters()}, sorted(w.optimizer.filters)
+
+    before1, targets = weights_after(6, "1.0")
+    before0, _ = weights_after(6, "0.0")
+    assert all(torch.equal(before1[n], before0[n]) for n in before1)  # no prior used yet: identical
+    after1, _ = weights_after(8, "1.0")
+    after0, _ = weights_after(8, "0.0")
+    moved = [n for n in targets if not torch.equal(after1[n], after0[n])]
+    assert moved == targets
