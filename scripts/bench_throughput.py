@@ -559,7 +559,8 @@ def run_variant(net, variant: str, bench: BenchModel, replicas: int, workdir: Pa
         deadline = time.monotonic() + warmup_s + longest + 240
         while time.monotonic() < deadline:
             with contextlib.suppress(Exception):  # a failed read costs one sample, not the run
-                link_samples.append({"t": time.time(), "links": net.link_bytes()})
+                link_samples.append({"t": time.time(), "links": net.link_bytes(),
+                                     "tcp": {p.ns_index: net.tcp_counters(p.ns_index) for p in peers}})
             dead = [p.name for p in peers if not p.alive()]
             if dead:
                 raise RuntimeError(f"{variant}: peer(s) {dead} exited: {_tail(vdir / (dead[0] + '.log'))}")
@@ -611,6 +612,14 @@ def summarize(variant: str, peers: list[Peer], bench: BenchModel, replicas: int,
             per_peer[p.name].update(wire_up_bytes=wire_up, wire_down_bytes=wire_down,
                                     wire_up_over_counted=wire_up / sent if sent > 0 else None)
             wire_total += wire_up
+            tcp = [x for x in link_samples if p.ns_index in x.get("tcp", {})]
+            if len(tcp) >= 2:  # the peer's kernel TCP counters: how much of its uplink went to retransmission
+                seg = {k: interpolate(tcp, t1, lambda x, k=k: x["tcp"][p.ns_index][k])
+                       - interpolate(tcp, t0, lambda x, k=k: x["tcp"][p.ns_index][k])
+                       for k in ("out_segs", "retrans_segs")}
+                per_peer[p.name].update(tcp_out_segs=seg["out_segs"], tcp_retrans_segs=seg["retrans_segs"],
+                                        tcp_retrans_share=seg["retrans_segs"] / seg["out_segs"]
+                                        if seg["out_segs"] > 0 else None)
         for a in perf.AXES:
             totals[a] += w["bytes"][a]
         if p.stage >= 0:

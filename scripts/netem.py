@@ -313,6 +313,15 @@ class EmulatedNetwork:
                 out[int(name[1:])] = (int(st["rx"]["bytes"]), int(st["tx"]["bytes"]))
         return out
 
+    def tcp_counters(self, i: int) -> dict[str, int]:
+        """Peer ``i``'s kernel TCP counters (its namespace's ``/proc/net/snmp``): segments sent, received and
+        retransmitted so far. ``retrans_segs / out_segs`` is the share of the uplink spent on retransmission."""
+        lines = [ln.split() for ln in self.run(i, ["cat", "/proc/net/snmp"]).splitlines() if ln.startswith("Tcp:")]
+        if len(lines) < 2:
+            raise RuntimeError(f"no Tcp counters in peer {i}'s /proc/net/snmp")
+        row = dict(zip(lines[0][1:], lines[1][1:]))
+        return {"out_segs": int(row["OutSegs"]), "in_segs": int(row["InSegs"]), "retrans_segs": int(row["RetransSegs"])}
+
     def popen(self, i: int, argv: Sequence[str], **kwargs) -> subprocess.Popen:
         """Start ``argv`` inside peer ``i``; the caller stops it (``down`` kills leftovers too)."""
         return subprocess.Popen(self.argv(i, argv), **kwargs)

@@ -121,7 +121,9 @@ def test_summarize_counts_wire_bytes_per_peer():
     peers = [_FakePeer("driver-0", 1, "driver", 0, steps),
              _FakePeer("stage1-0", 0, "fast", 1, ticks)]
     # peer 1 (the driver) uploads 300 B/s on the wire, peer 0 uploads 150 B/s
-    links = [{"t": 5.0 * i, "links": {1: (1500 * i, 0), 0: (750 * i, 10 * i)}} for i in range(9)]
+    links = [{"t": 5.0 * i, "links": {1: (1500 * i, 0), 0: (750 * i, 10 * i)},
+              "tcp": {1: {"out_segs": 10 * i, "retrans_segs": i}, 0: {"out_segs": 4 * i, "retrans_segs": 0}}}
+             for i in range(9)]
     out = bt.summarize("dense", peers, bt.BenchModel(), 1, warmup_s=10.0, ready_s=1.0, link_samples=links)
     assert out["window_s"] == pytest.approx(30.0)  # steps 1..4
     assert out["tokens_per_s"] == pytest.approx(100.0)
@@ -131,4 +133,6 @@ def test_summarize_counts_wire_bytes_per_peer():
     assert d["wire_up_over_counted"] == pytest.approx(9000 / 300)  # counted: 100 B per step on pp_fwd
     assert out["wire_bytes_per_token"] == pytest.approx(13500 / 3000)
     assert out["wire_over_counted"] == pytest.approx(13500 / 450)
+    assert d["tcp_out_segs"] == pytest.approx(60) and d["tcp_retrans_segs"] == pytest.approx(6)
+    assert d["tcp_retrans_share"] == pytest.approx(0.1) and f["tcp_retrans_share"] == 0.0
     assert "wire_bytes_per_token" not in bt.summarize("dense", peers, bt.BenchModel(), 1, 10.0, 1.0)

@@ -73,9 +73,9 @@ def test_shaped_rate_and_clean_teardown(run_id, tmp_path):
     with netem.emulated_network(config, state_path, run_id=run_id, install=False) as net:
         assert state_path.exists()
         assert len(net.state.namespaces) == 3  # hub + 2 peers
-        before = net.link_bytes()
+        before, tcp_before = net.link_bytes(), net.tcp_counters(0)
         m = net.measure(0, 1, seconds=3.0, ping=False)
-        after = net.link_bytes()
+        after, tcp_after = net.link_bytes(), net.tcp_counters(0)
         assert net.state.congestion_control
         assert m.congestion_control == net.state.congestion_control
         rules = net.run(1, ["iptables-save"])
@@ -85,6 +85,11 @@ def test_shaped_rate_and_clean_teardown(run_id, tmp_path):
     assert m.bytes <= up0 <= 1.15 * m.bytes + 100_000, (m.bytes, up0)
     assert m.bytes <= down1 <= 1.15 * m.bytes + 100_000, (m.bytes, down1)
     assert "NFQUEUE" not in rules  # no delay asked, no queue
+    # peer 0's own TCP counters: at least one segment per MSS of payload, retransmissions among them
+    sent = tcp_after["out_segs"] - tcp_before["out_segs"]
+    retrans = tcp_after["retrans_segs"] - tcp_before["retrans_segs"]
+    assert m.bytes / 1500 <= sent <= 2 * m.bytes / 1000, (m.bytes, sent)
+    assert 0 <= retrans <= sent
     _assert_gone(run_id, state_path)
 
 
