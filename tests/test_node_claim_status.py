@@ -188,3 +188,43 @@ def test_routing_does_not_starve_a_newcomer():
     assert 0.55 < firsts.count("old") / len(firsts) < 0.70  # 500 : 300 -> 0.625
     order = order_candidates([old, new, busy], {"busy": 2}, rng)
     assert [p.peer_id for p in order][-1] == "busy" and len(order) == 3
+
+
+class _FakeDHT:
+    """Records each get's ``latest``; returns no peers (parse_peers(None) is an empty list)."""
+
+    class peer_id:  # noqa: N801 (stands in for a PeerID)
+        @staticmethod
+        def to_base58() -> str:
+            return "me"
+
+    def __init__(self):
+        self.latest: list[bool] = []
+
+    async def get(self, key, latest=False, return_future=False):
+        self.latest.append(latest)
+        return None
+
+
+def test_refresh_merges_every_holder_only_every_full_period(monkeypatch):
+    """Between full reads (every holder's copy merged) the peer list comes from the first holder."""
+    import asyncio
+
+    from meshnode.node import swarm as swarm_mod
+
+    clock = [100.0]
+    monkeypatch.setattr(swarm_mod.time, "monotonic", lambda: clock[0])
+    dht = _FakeDHT()
+    client = swarm_mod.SwarmClient(dht, "run", identity=None)
+    assert client.full_refresh_period == swarm_mod.FULL_REFRESH_PERIOD == 10.0
+
+    async def go():
+        for dt in (0.0, 1.0, 1.0, 7.5, 0.6, 1.0):  # t = 100, 101, 102, 109.5, 110.1, 111.1
+            clock[0] += dt
+            await client.refresh()
+        await client.refresh(full=True)
+        await client.refresh()
+        await client.refresh(full=False)
+
+    asyncio.run(go())
+    assert dht.latest == [True, False, False, False, True, False, True, False, False]

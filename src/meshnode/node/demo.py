@@ -209,7 +209,7 @@ async def _watch(dht, identity, cfg, procs, console: Console, opts: DemoOptions,
         task = progress.add_task("train", total=cfg.train.steps, info="")
         last_print = -1
         while True:
-            peers = await client.refresh()
+            peers = await client.refresh(full=True)
             step = driver_step(peers)
             loss = next((p.loss for p in peers if p.role == "driver" and p.loss is not None), None)
             info = f"loss {loss:.4f}" if loss is not None else ""
@@ -229,7 +229,7 @@ async def _watch(dht, identity, cfg, procs, console: Console, opts: DemoOptions,
     # wait until every live peer announced after the end (final byte counts)
     settle = time.monotonic() + 20
     while time.monotonic() < settle:
-        peers = await client.refresh()
+        peers = await client.refresh(full=True)
         if all(p.updated >= finished for p in peers if p.state == "online"):
             break
         await asyncio.sleep(0.5)

@@ -44,7 +44,7 @@ class SwarmReader:
         self.dht.shutdown()
 
     def peers(self) -> list[PeerRecord]:
-        return asyncio.run(self.client.refresh())
+        return asyncio.run(self.client.refresh(full=True))
 
     def stage_weights(self, stages: int | None = None, timeout: float = 120.0) -> tuple[dict[int, dict], dict]:
         """``({stage: state_dict}, {stage: meta})`` from one online peer per stage; raises when a stage has none."""
@@ -53,7 +53,7 @@ class SwarmReader:
     async def _stage_weights(self, stages: int | None, timeout: float):
         await self.client.start()
         try:
-            peers = await self.client.refresh()
+            peers = await self.client.refresh(full=True)
             n = stages if stages is not None else num_stages_of(peers)
             if n == 0:
                 raise SwarmError(f"no peer of run {self.run_id} is online")
