@@ -816,6 +816,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import netem
 
+    # SIGTERM unwinds like Ctrl-C: the finally blocks stop the peers and remove the namespaces
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     bench = BenchModel(hidden=args.hidden, heads=max(1, args.hidden // 64), kv_heads=max(1, args.hidden // 128),
                        intermediate=int(args.hidden * 2.5) // 64 * 64)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]

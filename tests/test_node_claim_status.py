@@ -228,3 +228,18 @@ def test_refresh_merges_every_holder_only_every_full_period(monkeypatch):
 
     asyncio.run(go())
     assert dht.latest == [True, False, False, False, True, False, True, False, False]
+
+
+def test_a_partial_read_updates_the_snapshot_without_dropping_peers():
+    """A first-holder copy that lacks some records (a late joiner's own storage) keeps what was held;
+    newer records replace older ones, and held records leave when they expire."""
+    from meshnode.node.swarm import merge_peers
+
+    held = [peer("a", 0, updated=10.0, expiration=100.0, step=3), peer("b", 1, updated=10.0, expiration=100.0),
+            peer("c", 1, updated=5.0, expiration=50.0)]
+    found = [peer("a", 0, updated=12.0, expiration=110.0, step=4), peer("d", 1, updated=12.0, expiration=110.0)]
+    out = {r.peer_id: r for r in merge_peers(held, found, now=60.0)}
+    assert sorted(out) == ["a", "b", "d"]  # c expired, b kept although the copy lacked it, d new
+    assert out["a"].step == 4
+    stale = [peer("a", 0, updated=11.0, expiration=105.0, step=9)]  # an older announcement than the one held
+    assert {r.peer_id: r.step for r in merge_peers(list(out.values()), stale, now=60.0)}["a"] == 4

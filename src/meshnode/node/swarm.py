@@ -60,6 +60,16 @@ def order_candidates(peers: list[PeerRecord], inflight: dict[str, int], rng: ran
 FULL_REFRESH_PERIOD = 10.0  # seconds between full (every-holder) reads of the peer records
 
 
+def merge_peers(held: list[PeerRecord], found: list[PeerRecord], now: float) -> list[PeerRecord]:
+    """``held`` updated with ``found``: per peer the record announced last; records expired by ``now`` dropped."""
+    out = {r.peer_id: r for r in held if r.expiration > now}
+    for r in found:
+        old = out.get(r.peer_id)
+        if old is None or r.updated >= old.updated:
+            out[r.peer_id] = r
+    return sorted(out.values(), key=lambda r: (r.stage, r.peer_id))
+
+
 class SwarmError(RuntimeError):
     """The swarm cannot serve a request (no reachable peer of a stage, bootstrap failed...)."""
 
@@ -120,10 +130,11 @@ class SwarmClient:
         """Re-read the peer records. ``full=True`` merges every holder's copy (``latest=True``: each of up to
         ``num_replicas`` holders sends the whole dictionary); ``full=False`` takes the first holder's copy,
         which is this node's own storage whenever it is a holder (no traffic at all). The default is a full
-        read every ``full_refresh_period`` seconds and first-holder reads in between: every peer stores its
-        record on all the key's holders, so one holder's copy is normally complete, and the full reads
-        repair what a missed store left out. Before this, each 1 s refresh was a full read: on a time-scaled
-        0.37 Mbit/s link that control traffic took 20-40 % of every peer's uplink."""
+        read every ``full_refresh_period`` seconds and first-holder reads in between. A first-holder copy
+        can lack records (a peer that joined late holds none stored before it came), so it only updates
+        the snapshot: each peer's newest record wins and records leave when their DHT expiration passes
+        (what a full read does for a peer that stopped announcing). Before this, each 1 s refresh was a
+        full read: on a time-scaled 0.37 Mbit/s link that control traffic took 20-40 % of every uplink."""
         async with self._refresh_lock:
             now = time.monotonic()
             if full is None:
@@ -131,7 +142,9 @@ class SwarmClient:
             found = await self.dht.get(keys.peers_key(self.run_id), latest=full, return_future=True)
             if full:
                 self._last_full = now
-            self.peers = parse_peers(found)
+                self.peers = parse_peers(found)
+            else:
+                self.peers = merge_peers(self.peers, parse_peers(found), get_dht_time())
             self.snapshot_time = time.monotonic()
             return self.peers
 
@@ -217,4 +230,4 @@ class SwarmClient:
         self.dht.shutdown()
 
 
-__all__ = ["ChainError", "SwarmClient", "SwarmError", "start_dht"]
+__all__ = ["ChainError", "SwarmClient", "SwarmError", "merge_peers", "start_dht"]
