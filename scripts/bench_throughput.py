@@ -614,8 +614,8 @@ def summarize(variant: str, peers: list[Peer], bench: BenchModel, replicas: int,
             wire_total += wire_up
             tcp = [x for x in link_samples if p.ns_index in x.get("tcp", {})]
             if len(tcp) >= 2:  # the peer's kernel TCP counters: how much of its uplink went to retransmission
-                seg = {k: interpolate(tcp, t1, lambda x, k=k: x["tcp"][p.ns_index][k])
-                       - interpolate(tcp, t0, lambda x, k=k: x["tcp"][p.ns_index][k])
+                seg = {k: interpolate(tcp, t1, lambda x, k=k, i=p.ns_index: x["tcp"][i][k])
+                       - interpolate(tcp, t0, lambda x, k=k, i=p.ns_index: x["tcp"][i][k])
                        for k in ("out_segs", "retrans_segs")}
                 per_peer[p.name].update(tcp_out_segs=seg["out_segs"], tcp_retrans_segs=seg["retrans_segs"],
                                         tcp_retrans_share=seg["retrans_segs"] / seg["out_segs"]

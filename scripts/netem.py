@@ -320,7 +320,8 @@ class EmulatedNetwork:
         if len(lines) < 2:
             raise RuntimeError(f"no Tcp counters in peer {i}'s /proc/net/snmp")
         row = dict(zip(lines[0][1:], lines[1][1:]))
-        return {"out_segs": int(row["OutSegs"]), "in_segs": int(row["InSegs"]), "retrans_segs": int(row["RetransSegs"])}
+        return {"out_segs": int(row["OutSegs"]), "in_segs": int(row["InSegs"]),
+                "retrans_segs": int(row["RetransSegs"])}
 
     def popen(self, i: int, argv: Sequence[str], **kwargs) -> subprocess.Popen:
         """Start ``argv`` inside peer ``i``; the caller stops it (``down`` kills leftovers too)."""
