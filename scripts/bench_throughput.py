@@ -323,9 +323,10 @@ def _sim_of(result: dict, variant: str, overhead_s: float, link_mbit: float | No
     sz = WireSizes(mi["pp_fwd_bytes"], mi["pp_bwd_bytes"], mi["dp_per_sync"], mi["prior_per_cycle"],
                    mi["snapshot_per_cycle"])
     link = result["link"]
+    if link_mbit is None:  # what the run left the pipeline (idle traffic, retransmissions), else the nominal rate
+        link_mbit = mi.get("link_mbit_available", link["rate_mbit_each_way"])
     return simulate_variant(variant, BenchModel(**result["model"]), result["swarm"]["replicas_per_stage"],
-                            mi["compute_s_per_microbatch"], sz,
-                            link["rate_mbit_each_way"] if link_mbit is None else link_mbit,
+                            mi["compute_s_per_microbatch"], sz, link_mbit,
                             link["delay_ms_one_way"], dp_inner_steps=mi["dp_inner_steps"],
                             anchor_period=mi["anchor_period"], dp_overlap=mi.get("dp_overlap", False),
                             steps=model_steps(r) if steps is None else steps, message_overhead_s=overhead_s)
@@ -488,9 +489,14 @@ def reshape_tbf(net, rate_mbit: float, delay_ms: float, mtu: int = 1500) -> dict
 
 def run_variant(net, variant: str, bench: BenchModel, replicas: int, workdir: Path, cache_dir: Path, *,
                 warmup_s: float, window_s: float, pin: bool, anchor_period: int, dp_inner_steps: int,
-                dp_overlap: bool = True, min_steps: int = 0, max_window_s: float | None = None) -> dict:
+                dp_overlap: bool = True, min_steps: int = 0, max_window_s: float | None = None,
+                idle_s: float = 0.0) -> dict:
     """One fresh swarm of ``variant``; measured over ``window_s`` after ``warmup_s``, extended (up to
-    ``max_window_s``) until every driver has ``min_steps`` steps in its window."""
+    ``max_window_s``) until every driver has ``min_steps`` steps in its window.
+
+    With ``idle_s > 0`` the drivers stop after 2 steps instead and the swarm's idle traffic (announcements,
+    snapshot refreshes: the DHT) is measured over ``idle_s`` seconds once both have stopped; the result is
+    then ``{"idle_s", "up_bytes_per_s", "down_bytes_per_s"}`` per peer."""
     from meshnode.protocol import keys
 
     vdir = workdir / variant
@@ -503,6 +509,8 @@ def run_variant(net, variant: str, bench: BenchModel, replicas: int, workdir: Pa
     anchor_key = keys.public_key_string(keys.load_or_create_identity(anchor_identity))
     overrides = variant_overrides(variant, replicas=replicas, anchor_key=anchor_key, anchor_period=anchor_period,
                                   dp_inner_steps=dp_inner_steps, dp_overlap=dp_overlap)
+    if idle_s > 0:
+        overrides.append(f"train.steps={IDLE_DRIVER_STEPS}")
     with_anchor = variant in ("m95_ap", "m95_ap_dp")
     ncores = os.cpu_count() or 1
     peers: list[Peer] = []
@@ -554,6 +562,8 @@ def run_variant(net, variant: str, bench: BenchModel, replicas: int, workdir: Pa
         ready_s = time.monotonic() - started
         logger.info("%s: %d peers ready after %.0fs; measuring %.0fs after %.0fs warm-up", variant, len(peers),
                     ready_s, window_s, warmup_s)
+        if idle_s > 0:
+            return measure_idle(net, variant, peers, drivers, idle_s)
         first = None
         longest = max(window_s, max_window_s or window_s)
         deadline = time.monotonic() + warmup_s + longest + 240
@@ -578,6 +588,34 @@ def run_variant(net, variant: str, bench: BenchModel, replicas: int, workdir: Pa
         for p in reversed(peers):
             p.stop()
     return summarize(variant, peers, bench, replicas, warmup_s, ready_s, link_samples)
+
+
+IDLE_DRIVER_STEPS = 2
+
+
+def measure_idle(net, variant: str, peers: list[Peer], drivers: list[Peer], idle_s: float) -> dict:
+    """Wait until every driver has finished its ``IDLE_DRIVER_STEPS`` steps, then read each peer's link counters
+    ``idle_s`` apart: the bytes per second the swarm moves when nothing trains (the caller stops the peers)."""
+    deadline = time.monotonic() + 600
+    while sum(1 for r in (r for d in drivers for r in d.records()) if "step" in r) < IDLE_DRIVER_STEPS * len(drivers):
+        dead = [p.name for p in peers if not p.alive()]
+        if dead or time.monotonic() > deadline:
+            raise RuntimeError(f"{variant} (idle): drivers did not finish their steps ({dead or 'timeout'})")
+        time.sleep(1.0)  # the benchmark's own pacing loop (not a test)
+    time.sleep(5.0)  # let the last replies and announcements drain (benchmark pacing, not synchronisation)
+    t0, before = time.time(), net.link_bytes()
+    time.sleep(idle_s)  # the measurement interval itself
+    t1, after = time.time(), net.link_bytes()
+    span = t1 - t0
+    return {"idle_s": span, "variant": variant,
+            "up_bytes_per_s": {p.name: (after[p.ns_index][0] - before[p.ns_index][0]) / span for p in peers},
+            "down_bytes_per_s": {p.name: (after[p.ns_index][1] - before[p.ns_index][1]) / span for p in peers}}
+
+
+def available_link_mbit(rate_mbit: float, background_bytes_per_s: float = 0.0, retrans_share: float = 0.0) -> float:
+    """What a peer's link leaves the pipeline: the rate less retransmitted segments and less the swarm's
+    background (idle) traffic, which competes whenever the link is busy. Floored at 5 % of the rate."""
+    return max(rate_mbit * (1.0 - retrans_share) - background_bytes_per_s * 8 / 1e6, 0.05 * rate_mbit)
 
 
 def summarize(variant: str, peers: list[Peer], bench: BenchModel, replicas: int, warmup_s: float,
@@ -676,7 +714,8 @@ def repredict(result: dict, message_overhead_s: float | None = None) -> None:
         mi = r["model_inputs"]
         sz = WireSizes(mi["pp_fwd_bytes"], mi["pp_bwd_bytes"], mi["dp_per_sync"], mi["prior_per_cycle"],
                        mi["snapshot_per_cycle"])
-        pred = predict_variant(v, bench, replicas, mi["compute_s_per_microbatch"], sz, link["rate_mbit_each_way"],
+        pred = predict_variant(v, bench, replicas, mi["compute_s_per_microbatch"], sz,
+                               mi.get("link_mbit_available", link["rate_mbit_each_way"]),
                                link["delay_ms_one_way"], dp_inner_steps=mi["dp_inner_steps"],
                                anchor_period=mi["anchor_period"])
         sim = _sim_of(result, v, overhead)
@@ -775,6 +814,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-window-s", type=float, default=None, help="the longest a window is extended to")
     ap.add_argument("--window-s-anchor", type=float, default=None,
                     help="window of the variants with an anchor (long enough for whole anchor cycles to land in it)")
+    ap.add_argument("--idle-s", type=float, default=30.0,
+                    help="first measure the idle swarm's own traffic (DHT) for this long; the model takes it, and "
+                         "each variant's measured retransmissions, off the link (0: skip, the nominal link)")
     ap.add_argument("--anchor-period", type=int, default=10)
     ap.add_argument("--dp-inner-steps", type=int, default=10)
     ap.add_argument("--pin", action="store_true", help="taskset peer i to core i mod ncores")
@@ -840,6 +882,19 @@ def main(argv: list[str] | None = None) -> int:
     with netem.emulated_network(netem.NetemConfig(peers=n_ns, rate_mbit=rate, delay_ms=args.delay_ms), state) as net:
         tbf = reshape_tbf(net, rate, args.delay_ms)
         cc = net.congestion_control(0)
+        idle: dict[str, Any] | None = None
+        background = 0.0
+        if args.idle_s > 0:
+            try:
+                idle = run_variant(net, "m95", bench, args.replicas, workdir, args.cache_dir, warmup_s=0.0,
+                                   window_s=0.0, pin=args.pin, anchor_period=args.anchor_period,
+                                   dp_inner_steps=args.dp_inner_steps, idle_s=args.idle_s)
+                background = statistics.mean(idle["up_bytes_per_s"].values())
+                logger.info("idle swarm: %.1f kB/s per peer up (%s)", background / 1e3,
+                            ", ".join(f"{k} {v / 1e3:.1f}" for k, v in idle["up_bytes_per_s"].items()))
+            except Exception as exc:
+                logger.error("idle measurement failed: %s", exc)
+                idle = {"error": str(exc)}
         for v in variants:
             fwd, bwd = codec_sizes(v, bench)
             vs = WireSizes(fwd, bwd, sizes.dp_per_sync, sizes.prior_per_cycle, sizes.snapshot_per_cycle)
@@ -855,9 +910,12 @@ def main(argv: list[str] | None = None) -> int:
                 results[v] = {"error": str(exc)}
                 continue
             cmb = [res["compute_s_per_microbatch"].get(f"stage{s}", compute[s]) for s in range(bench.stages)]
-            pred = predict_variant(v, bench, args.replicas, cmb, vs, rate, args.delay_ms,
+            shares = [p["tcp_retrans_share"] for p in res["peers"].values() if p.get("tcp_retrans_share") is not None]
+            retrans = statistics.mean(shares) if shares else 0.0
+            avail = available_link_mbit(rate, background, retrans)
+            pred = predict_variant(v, bench, args.replicas, cmb, vs, avail, args.delay_ms,
                                    dp_inner_steps=args.dp_inner_steps, anchor_period=args.anchor_period)
-            sim = simulate_variant(v, bench, args.replicas, cmb, vs, rate, args.delay_ms,
+            sim = simulate_variant(v, bench, args.replicas, cmb, vs, avail, args.delay_ms,
                                    dp_inner_steps=args.dp_inner_steps, anchor_period=args.anchor_period,
                                    dp_overlap=not args.dp_blocking, message_overhead_s=overhead,
                                    steps=model_steps(res))
@@ -865,7 +923,9 @@ def main(argv: list[str] | None = None) -> int:
             res["model_inputs"] = {"compute_s_per_microbatch": cmb, "pp_fwd_bytes": fwd, "pp_bwd_bytes": bwd,
                                    "dp_per_sync": vs.dp_per_sync, "prior_per_cycle": vs.prior_per_cycle,
                                    "snapshot_per_cycle": vs.snapshot_per_cycle, "dp_inner_steps": args.dp_inner_steps,
-                                   "anchor_period": args.anchor_period, "dp_overlap": not args.dp_blocking}
+                                   "anchor_period": args.anchor_period, "dp_overlap": not args.dp_blocking,
+                                   "background_bytes_per_s": background, "retrans_share": retrans,
+                                   "link_mbit_available": avail}
             res["link_utilisation"] = {
                 name: p["sent_bytes_per_s"] * 8 / (rate * 1e6) for name, p in res["peers"].items()}
             results[v] = res
@@ -894,6 +954,7 @@ def main(argv: list[str] | None = None) -> int:
                                      f"link = {args.bandwidth:g} Mbit/s / {scale.ratio:.1f} = {rate:.3f} Mbit/s"},
         "pinning": "taskset peer i -> core i mod ncores" if args.pin else "none (2 shared cores; see docstring)",
         "variants": results,
+        "idle": idle,
         "message_overhead_s": overhead,
         "projection": projections(args.bandwidth),
     }

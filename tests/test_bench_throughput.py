@@ -136,3 +136,22 @@ def test_summarize_counts_wire_bytes_per_peer():
     assert d["tcp_out_segs"] == pytest.approx(60) and d["tcp_retrans_segs"] == pytest.approx(6)
     assert d["tcp_retrans_share"] == pytest.approx(0.1) and f["tcp_retrans_share"] == 0.0
     assert "wire_bytes_per_token" not in bt.summarize("dense", peers, bt.BenchModel(), 1, 10.0, 1.0)
+
+
+def test_the_model_takes_idle_traffic_and_retransmissions_off_the_link():
+    # 1 Mbit/s, 5 % retransmitted, 12.5 kB/s idle traffic (0.1 Mbit/s): 0.95 - 0.1 = 0.85 Mbit/s for the pipeline
+    assert bt.available_link_mbit(1.0, 12_500.0, 0.05) == pytest.approx(0.85)
+    assert bt.available_link_mbit(1.0) == 1.0
+    assert bt.available_link_mbit(1.0, 1e6, 0.0) == pytest.approx(0.05)  # floored, never zero or negative
+    # a recorded variant is re-evaluated on what its run left the pipeline, not on the nominal rate
+    b = bt.BenchModel()
+    fwd, bwd = bt.codec_sizes("dense", b)
+    mi = {"compute_s_per_microbatch": [0.02, 0.02], "pp_fwd_bytes": fwd, "pp_bwd_bytes": bwd, "dp_per_sync": 0.0,
+          "prior_per_cycle": 0.0, "snapshot_per_cycle": 0.0, "dp_inner_steps": 10, "anchor_period": 10}
+    result = {"model": {f: getattr(b, f) for f in b.__dataclass_fields__}, "swarm": {"replicas_per_stage": 2},
+              "link": {"rate_mbit_each_way": 0.7, "delay_ms_one_way": 20.0},
+              "variants": {"dense": {"model_inputs": dict(mi), "steps_in_window": [5, 5]}}}
+    nominal = bt._sim_of(result, "dense", 0.0).tokens_per_s
+    result["variants"]["dense"]["model_inputs"]["link_mbit_available"] = 0.35
+    halved = bt._sim_of(result, "dense", 0.0).tokens_per_s
+    assert halved == pytest.approx(nominal / 2, rel=0.1)  # dense is link-bound: half the link, half the rate
