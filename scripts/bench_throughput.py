@@ -315,15 +315,18 @@ def model_steps(measured: dict, least: int = 30) -> int:
     return max(least, 5 + max(measured.get("steps_in_window") or [0]))
 
 
-def _sim_of(result: dict, variant: str, overhead_s: float, link_mbit: float | None = None,
+def _sim_of(result: dict, variant: str, overhead_s: float, link_mbit: float | str | None = None,
             steps: int | None = None) -> perf_sim.SimResult:
-    """The event model of one recorded variant (its recorded inputs), with a given per-message overhead."""
+    """The event model of one recorded variant (its recorded inputs), with a given per-message overhead, on the
+    nominal link, on ``link_mbit``, or (``"available"``) on the rate its run left the pipeline."""
     r = result["variants"][variant]
     mi = r["model_inputs"]
     sz = WireSizes(mi["pp_fwd_bytes"], mi["pp_bwd_bytes"], mi["dp_per_sync"], mi["prior_per_cycle"],
                    mi["snapshot_per_cycle"])
     link = result["link"]
-    if link_mbit is None:  # what the run left the pipeline (idle traffic, retransmissions), else the nominal rate
+    if link_mbit is None:
+        link_mbit = link["rate_mbit_each_way"]
+    elif link_mbit == "available":  # what the run left the pipeline: less idle traffic and retransmissions
         link_mbit = mi.get("link_mbit_available", link["rate_mbit_each_way"])
     return simulate_variant(variant, BenchModel(**result["model"]), result["swarm"]["replicas_per_stage"],
                             mi["compute_s_per_microbatch"], sz, link_mbit,
@@ -714,17 +717,22 @@ def repredict(result: dict, message_overhead_s: float | None = None) -> None:
         mi = r["model_inputs"]
         sz = WireSizes(mi["pp_fwd_bytes"], mi["pp_bwd_bytes"], mi["dp_per_sync"], mi["prior_per_cycle"],
                        mi["snapshot_per_cycle"])
-        pred = predict_variant(v, bench, replicas, mi["compute_s_per_microbatch"], sz,
-                               mi.get("link_mbit_available", link["rate_mbit_each_way"]),
+        pred = predict_variant(v, bench, replicas, mi["compute_s_per_microbatch"], sz, link["rate_mbit_each_way"],
                                link["delay_ms_one_way"], dp_inner_steps=mi["dp_inner_steps"],
                                anchor_period=mi["anchor_period"])
         sim = _sim_of(result, v, overhead)
-        record_predictions(r, sim, pred, wave_tokens_per_s(pred, bench, replicas, link["delay_ms_one_way"]))
+        record_predictions(r, sim, pred, wave_tokens_per_s(pred, bench, replicas, link["delay_ms_one_way"]),
+                           _sim_of(result, v, overhead, "available") if "link_mbit_available" in mi else None)
 
 
-def record_predictions(r: dict, sim: perf_sim.SimResult, pred: perf.Prediction, wave: float) -> None:
-    """The event-level model is the prediction; the closed form and the wave bound are kept beside it."""
+def record_predictions(r: dict, sim: perf_sim.SimResult, pred: perf.Prediction, wave: float,
+                       sim_available: perf_sim.SimResult | None = None) -> None:
+    """The event-level model is the prediction; the closed form and the wave bound are kept beside it, and the
+    event model on the link the run left the pipeline (idle traffic and retransmissions taken off) when given."""
     measured = r["tokens_per_s"]
+    if sim_available is not None:
+        r["predicted_available_link_tokens_per_s"] = sim_available.tokens_per_s
+        r["available_link_error_pct"] = 100 * (sim_available.tokens_per_s - measured) / measured
     r["predicted_tokens_per_s"] = sim.tokens_per_s
     r["prediction_error_pct"] = 100 * (sim.tokens_per_s - measured) / measured
     r["predicted_link_utilisation"] = sim.link_utilisation
@@ -815,8 +823,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window-s-anchor", type=float, default=None,
                     help="window of the variants with an anchor (long enough for whole anchor cycles to land in it)")
     ap.add_argument("--idle-s", type=float, default=30.0,
-                    help="first measure the idle swarm's own traffic (DHT) for this long; the model takes it, and "
-                         "each variant's measured retransmissions, off the link (0: skip, the nominal link)")
+                    help="first measure the idle swarm's own traffic (DHT) for this long; a second event-model "
+                         "prediction takes it, and each variant's measured retransmissions, off the link (0: skip)")
     ap.add_argument("--anchor-period", type=int, default=10)
     ap.add_argument("--dp-inner-steps", type=int, default=10)
     ap.add_argument("--pin", action="store_true", help="taskset peer i to core i mod ncores")
@@ -913,9 +921,9 @@ def main(argv: list[str] | None = None) -> int:
             shares = [p["tcp_retrans_share"] for p in res["peers"].values() if p.get("tcp_retrans_share") is not None]
             retrans = statistics.mean(shares) if shares else 0.0
             avail = available_link_mbit(rate, background, retrans)
-            pred = predict_variant(v, bench, args.replicas, cmb, vs, avail, args.delay_ms,
+            pred = predict_variant(v, bench, args.replicas, cmb, vs, rate, args.delay_ms,
                                    dp_inner_steps=args.dp_inner_steps, anchor_period=args.anchor_period)
-            sim = simulate_variant(v, bench, args.replicas, cmb, vs, avail, args.delay_ms,
+            sim = simulate_variant(v, bench, args.replicas, cmb, vs, rate, args.delay_ms,
                                    dp_inner_steps=args.dp_inner_steps, anchor_period=args.anchor_period,
                                    dp_overlap=not args.dp_blocking, message_overhead_s=overhead,
                                    steps=model_steps(res))
@@ -951,13 +959,17 @@ def main(argv: list[str] | None = None) -> int:
                        "gpu_tflops": args.gpu_tflops, "gpu_util": args.gpu_util,
                        **{f: getattr(scale, f) for f in scale.__dataclass_fields__},
                        "arithmetic": f"ratio = {scale.cpu_s:.4g} s / {scale.gpu_s:.4g} s = {scale.ratio:.1f}; "
-                                     f"link = {args.bandwidth:g} Mbit/s / {scale.ratio:.1f} = {rate:.3f} Mbit/s"},
+                                     + (f"link = {args.bandwidth:g} Mbit/s / {scale.ratio:.1f} = {rate:.3f} Mbit/s"
+                                        if args.time_scale == "auto" else
+                                        f"scale pinned by --time-scale: link = {args.bandwidth:g} Mbit/s / "
+                                        f"{float(args.time_scale):g} = {rate:.3f} Mbit/s")},
         "pinning": "taskset peer i -> core i mod ncores" if args.pin else "none (2 shared cores; see docstring)",
         "variants": results,
         "idle": idle,
         "message_overhead_s": overhead,
         "projection": projections(args.bandwidth),
     }
+    repredict(out)  # adds the event model on the available link beside the prediction
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1, default=str))
     args.out.with_suffix(".partial.json").unlink(missing_ok=True)

@@ -138,7 +138,7 @@ def test_summarize_counts_wire_bytes_per_peer():
     assert "wire_bytes_per_token" not in bt.summarize("dense", peers, bt.BenchModel(), 1, 10.0, 1.0)
 
 
-def test_the_model_takes_idle_traffic_and_retransmissions_off_the_link():
+def test_the_available_link_takes_idle_traffic_and_retransmissions_off():
     # 1 Mbit/s, 5 % retransmitted, 12.5 kB/s idle traffic (0.1 Mbit/s): 0.95 - 0.1 = 0.85 Mbit/s for the pipeline
     assert bt.available_link_mbit(1.0, 12_500.0, 0.05) == pytest.approx(0.85)
     assert bt.available_link_mbit(1.0) == 1.0
@@ -153,5 +153,6 @@ def test_the_model_takes_idle_traffic_and_retransmissions_off_the_link():
               "variants": {"dense": {"model_inputs": dict(mi), "steps_in_window": [5, 5]}}}
     nominal = bt._sim_of(result, "dense", 0.0).tokens_per_s
     result["variants"]["dense"]["model_inputs"]["link_mbit_available"] = 0.35
-    halved = bt._sim_of(result, "dense", 0.0).tokens_per_s
+    assert bt._sim_of(result, "dense", 0.0).tokens_per_s == nominal  # the prediction stays on the nominal link
+    halved = bt._sim_of(result, "dense", 0.0, "available").tokens_per_s
     assert halved == pytest.approx(nominal / 2, rel=0.1)  # dense is link-bound: half the link, half the rate
