@@ -502,7 +502,7 @@ def run_variant(net, variant: str, bench: BenchModel, replicas: int, workdir: Pa
     then ``{"idle_s", "up_bytes_per_s", "down_bytes_per_s"}`` per peer."""
     from meshnode.protocol import keys
 
-    vdir = workdir / variant
+    vdir = workdir / (f"{variant}-idle" if idle_s > 0 else variant)  # the idle run keeps its own logs
     if vdir.exists():
         shutil.rmtree(vdir)
     vdir.mkdir(parents=True)
