@@ -155,7 +155,7 @@ def time_scale(cpu_s: float, flops: float, bandwidth_mbit: float, delay_ms: floa
 
 def variant_overrides(variant: str, *, replicas: int, anchor_key: str, anchor_period: int = 10,
                       dp_inner_steps: int = 10, dp_rank: int = 4, spectral_rank: int = 8,
-                      dp_overlap: bool = True) -> list[str]:
+                      dp_overlap: bool = True, anchor_snapshot: str = "dp") -> list[str]:
     """``--set`` overrides of one variant (the base config is BENCH_TOML)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
@@ -169,7 +169,8 @@ def variant_overrides(variant: str, *, replicas: int, anchor_key: str, anchor_pe
         out += ["anchor.enabled=true", f"anchor.period={anchor_period}", "anchor.max_staleness=30",
                 f"spectral.rank={spectral_rank}", f"anchor.allowed_keys=[{json.dumps(anchor_key)}]"]
     if variant == "m95_ap_dp":
-        out += ["dp.enabled=true", f"dp.inner_steps={dp_inner_steps}", f"dp.rank={dp_rank}"]
+        out += ["dp.enabled=true", f"dp.inner_steps={dp_inner_steps}", f"dp.rank={dp_rank}",
+                f"anchor.snapshot={json.dumps(anchor_snapshot)}"]
         if dp_overlap:
             out += ["dp.overlap=true", "dp.round_timeout=30.0"]
     return out
@@ -229,6 +230,13 @@ class WireSizes:
     dp_per_sync: list[float] = field(default_factory=list)  # per stage: both PowerSGD rounds, float32 buffer
     prior_per_cycle: list[float] = field(default_factory=list)  # per stage: fp16 factors every fast peer reads
     snapshot_per_cycle: list[float] = field(default_factory=list)  # per stage: bf16 weights sent to the anchor
+    dp_log_per_sync: list[float] = field(default_factory=list)  # per stage: one DP log entry (fp16 P and Q)
+
+    def anchor_follows_dp(self, anchor_period: int, dp_inner_steps: int) -> WireSizes:
+        """``anchor.snapshot = dp``: per cycle the anchor pulls the log entries of the syncs since the last one
+        (one per ``dp_inner_steps`` steps) instead of the weights; the models take them as the snapshot."""
+        per_cycle = [b * anchor_period / dp_inner_steps for b in self.dp_log_per_sync]
+        return dataclasses.replace(self, snapshot_per_cycle=per_cycle)
 
 
 def predict_variant(variant: str, bench: BenchModel, replicas: int, compute_s: list[float], sizes: WireSizes,
@@ -388,7 +396,7 @@ def calibrate(bench: BenchModel, reps: int = 5) -> tuple[list[float], WireSizes,
                 times[s].append(fwd[s] + time.perf_counter() - t0)
     compute = [statistics.median(t) for t in times]
     params = {f"stage{s}": sum(p.numel() for p in workers[s].module.parameters()) for s in range(bench.stages)}
-    dp, prior, snap = [], [], []
+    dp, prior, snap, log = [], [], [], []
     for w in workers:
         p_sz = q_sz = 0
         for _, t in w.module.named_parameters():
@@ -399,11 +407,13 @@ def calibrate(bench: BenchModel, reps: int = 5) -> tuple[list[float], WireSizes,
                 p_sz += t.shape[0] * r
                 q_sz += (t.numel() // t.shape[0]) * r
         dp.append(2 * max(p_sz, q_sz) * 4.0)  # two rounds of the averager's float32 buffer
+        log.append((p_sz + q_sz) * 2.0)  # the same factors in fp16, as the anchor pulls them
         targets = [t for n, t in w.module.named_parameters()
                    if t.dim() == 2 and any(k in n for k in cfg.spectral.targets)]
         prior.append(sum(min(8, *t.shape) * (t.shape[0] + t.shape[1] + 1) * 2.0 for t in targets))
         snap.append(sum(t.numel() * 2.0 for t in w.module.state_dict().values() if t.is_floating_point()))
-    sizes = WireSizes(pp_fwd=0.0, pp_bwd=0.0, dp_per_sync=dp, prior_per_cycle=prior, snapshot_per_cycle=snap)
+    sizes = WireSizes(pp_fwd=0.0, pp_bwd=0.0, dp_per_sync=dp, prior_per_cycle=prior, snapshot_per_cycle=snap,
+                      dp_log_per_sync=log)
     return compute, sizes, params
 
 
@@ -493,6 +503,7 @@ def reshape_tbf(net, rate_mbit: float, delay_ms: float, mtu: int = 1500) -> dict
 def run_variant(net, variant: str, bench: BenchModel, replicas: int, workdir: Path, cache_dir: Path, *,
                 warmup_s: float, window_s: float, pin: bool, anchor_period: int, dp_inner_steps: int,
                 dp_overlap: bool = True, min_steps: int = 0, max_window_s: float | None = None,
+                anchor_snapshot: str = "dp",
                 idle_s: float = 0.0) -> dict:
     """One fresh swarm of ``variant``; measured over ``window_s`` after ``warmup_s``, extended (up to
     ``max_window_s``) until every driver has ``min_steps`` steps in its window.
@@ -511,7 +522,8 @@ def run_variant(net, variant: str, bench: BenchModel, replicas: int, workdir: Pa
     anchor_identity = vdir / "anchor.key"
     anchor_key = keys.public_key_string(keys.load_or_create_identity(anchor_identity))
     overrides = variant_overrides(variant, replicas=replicas, anchor_key=anchor_key, anchor_period=anchor_period,
-                                  dp_inner_steps=dp_inner_steps, dp_overlap=dp_overlap)
+                                  dp_inner_steps=dp_inner_steps, dp_overlap=dp_overlap,
+                                  anchor_snapshot=anchor_snapshot)
     if idle_s > 0:
         overrides.append(f"train.steps={IDLE_DRIVER_STEPS}")
     with_anchor = variant in ("m95_ap", "m95_ap_dp")
@@ -828,6 +840,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--anchor-period", type=int, default=10)
     ap.add_argument("--dp-inner-steps", type=int, default=10)
     ap.add_argument("--pin", action="store_true", help="taskset peer i to core i mod ncores")
+    ap.add_argument("--anchor-snapshot", choices=("dp", "full"), default="dp",
+                    help="m95_ap_dp: the anchor follows the DP log (dp) or fetches every stage's weights (full)")
     ap.add_argument("--dp-blocking", action="store_true",
                     help="m95_ap_dp syncs with the gate closed (dp.overlap = false), as before the overlap")
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "meshnode")
@@ -905,14 +919,19 @@ def main(argv: list[str] | None = None) -> int:
                 idle = {"error": str(exc)}
         for v in variants:
             fwd, bwd = codec_sizes(v, bench)
-            vs = WireSizes(fwd, bwd, sizes.dp_per_sync, sizes.prior_per_cycle, sizes.snapshot_per_cycle)
+            vs = WireSizes(fwd, bwd, sizes.dp_per_sync, sizes.prior_per_cycle, sizes.snapshot_per_cycle,
+                           sizes.dp_log_per_sync)
+            follows_dp = v == "m95_ap_dp" and args.anchor_snapshot == "dp"
+            if follows_dp:
+                vs = vs.anchor_follows_dp(args.anchor_period, args.dp_inner_steps)
             try:
                 anchored = args.window_s_anchor and v in ("m95_ap", "m95_ap_dp")
                 window = args.window_s_anchor if anchored else args.window_s
                 res = run_variant(net, v, bench, args.replicas, workdir, args.cache_dir, warmup_s=args.warmup_s,
                                   window_s=window, pin=args.pin, anchor_period=args.anchor_period,
                                   dp_inner_steps=args.dp_inner_steps, dp_overlap=not args.dp_blocking,
-                                  min_steps=args.min_steps, max_window_s=args.max_window_s)
+                                  min_steps=args.min_steps, max_window_s=args.max_window_s,
+                                  anchor_snapshot=args.anchor_snapshot)
             except Exception as exc:  # one failed variant must not lose the others
                 logger.error("%s failed: %s", v, exc)
                 results[v] = {"error": str(exc)}
@@ -933,7 +952,9 @@ def main(argv: list[str] | None = None) -> int:
                                    "snapshot_per_cycle": vs.snapshot_per_cycle, "dp_inner_steps": args.dp_inner_steps,
                                    "anchor_period": args.anchor_period, "dp_overlap": not args.dp_blocking,
                                    "background_bytes_per_s": background, "retrans_share": retrans,
-                                   "link_mbit_available": avail}
+                                   "link_mbit_available": avail,
+                                   "anchor_snapshot": "dp" if follows_dp else "full" if v in ("m95_ap", "m95_ap_dp")
+                                   else None}
             res["link_utilisation"] = {
                 name: p["sent_bytes_per_s"] * 8 / (rate * 1e6) for name, p in res["peers"].items()}
             results[v] = res

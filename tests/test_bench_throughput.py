@@ -44,6 +44,9 @@ def test_variant_overrides_are_valid_configs(variant):
     assert (cfg.mask.ratio == 0.95) == variant.startswith("m95")
     assert cfg.mask.codec == {"topk": "topk", "int8": "int8", "rotq2": "rotq"}.get(variant, "mask")
     assert cfg.dp.overlap == (variant == "m95_ap_dp")
+    assert cfg.anchor.snapshot == ("dp" if variant == "m95_ap_dp" else "full")  # follows DP where there is DP
+    full = bt.variant_overrides(variant, replicas=2, anchor_key="ssh-rsa AAAA test", anchor_snapshot="full")
+    assert config_from_dict(__import__("tomllib").loads(b.toml()), full).anchor.snapshot == "full"
     with pytest.raises(ValueError):
         bt.variant_overrides("nope", replicas=2, anchor_key="")
 
@@ -156,3 +159,13 @@ def test_the_available_link_takes_idle_traffic_and_retransmissions_off():
     assert bt._sim_of(result, "dense", 0.0).tokens_per_s == nominal  # the prediction stays on the nominal link
     halved = bt._sim_of(result, "dense", 0.0, "available").tokens_per_s
     assert halved == pytest.approx(nominal / 2, rel=0.1)  # dense is link-bound: half the link, half the rate
+
+
+def test_an_anchor_that_follows_dp_pays_the_log_not_the_weights():
+    b = bt.BenchModel()
+    full = bt.WireSizes(*bt.codec_sizes("m95", b), [1e5, 1e5], [2e4, 2e4], [1e6, 1e6], dp_log_per_sync=[5e4, 6e4])
+    follow = full.anchor_follows_dp(anchor_period=20, dp_inner_steps=10)
+    assert follow.snapshot_per_cycle == [1e5, 1.2e5] and follow.dp_per_sync == full.dp_per_sync
+    runs = {name: bt.simulate_variant("m95_ap_dp", b, 2, [0.02, 0.02], sz, 0.7, 20.0, anchor_period=20, steps=40)
+            for name, sz in (("full", full), ("follow", follow))}
+    assert runs["follow"].tokens_per_s > runs["full"].tokens_per_s  # the 2 MB weight fetches are gone

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshnode.compression import ByteCounter, PowerSGDState, compressed_rank, orthonormalize, powersgd_allreduce
+from meshnode.compression import (
+    ByteCounter,
+    PowerSGDState,
+    compressed_rank,
+    orthonormalize,
+    powersgd_allreduce,
+    powersgd_decode,
+)
 
 
 def _randn(*shape, seed=0):
@@ -163,3 +170,24 @@ def test_dtype_and_shape_preserved():
     g = {"w": _randn(16, 4, 8).to(torch.bfloat16)}
     out = powersgd_allreduce([PowerSGDState(rank=2)], [g])[0][0]
     assert out["w"].shape == (16, 4, 8) and out["w"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_decode_from_the_averaged_phases_equals_finish(quantize):
+    """Someone who only sees the two averaged phases (the anchor following DP) gets what the replicas got."""
+    shapes = {"w": (24, 16), "conv": (8, 2, 6), "bias": (16,)}
+    states = [PowerSGDState(rank=3, quantize=quantize) for _ in range(2)]
+    for rnd in range(3):  # warm-started rounds too
+        g = [{n: _randn(*s, seed=100 * rnd + 10 * r + i) for i, (n, s) in enumerate(shapes.items())} for r in range(2)]
+        ps = [s.phase_p(t) for s, t in zip(states, g, strict=True)]
+        p_avg = {n: (ps[0][n] + ps[1][n]) / 2 for n in ps[0]}
+        qs = [s.phase_q(p_avg) for s in states]
+        q_avg = {n: (qs[0][n] + qs[1][n]) / 2 for n in qs[0]}
+        outs = [s.finish(q_avg) for s in states]
+        decoded = powersgd_decode(p_avg, q_avg, shapes)
+        assert set(decoded) == set(shapes) and "bias" not in q_avg
+        for n in shapes:
+            assert decoded[n].shape == outs[0][n].shape
+            torch.testing.assert_close(decoded[n], outs[0][n], rtol=0, atol=1e-6)
+    with pytest.raises(KeyError):
+        powersgd_decode({}, q_avg, shapes)

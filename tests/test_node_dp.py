@@ -1,13 +1,18 @@
-"""Swarm DP with ``dp.overlap``: the rounds run in the background, and the outer step keeps local progress."""
+"""Swarm DP: ``dp.overlap`` (rounds in the background, the outer step keeps local progress) and the DP log the
+anchor follows with ``anchor.snapshot = "dp"``."""
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from meshnode.node.dp import SwarmDP
+from meshnode.compression import PowerSGDState
+from meshnode.node.dp import DPFollower, SwarmDP
+from meshnode.node.host import tensor_chunks, weights_from_chunks
 from meshnode.optim import OuterNesterov
 
 
@@ -41,6 +46,7 @@ def _dp(params, release: asyncio.Event, calls: list):
     dp.pending, dp.ready = {}, []
     dp.skipped = dp.syncs = 0
     dp.group_sizes = []
+    dp.keep_log, dp.log, dp.log_seq = False, [], 0
     dp._round_lock = asyncio.Lock()
 
     async def average(tensors, tag):
@@ -98,3 +104,103 @@ def test_a_failed_background_sync_changes_nothing():
         assert torch.equal(w, torch.ones(2, 2)) and dp.syncs == 0 and not dp.pending
 
     asyncio.run(scenario())
+
+
+def _logging_dp(params, maxlen: int):
+    """A SwarmDP of one peer (group of one) with real PowerSGD (8-bit factors) that keeps the DP log."""
+    dp = SwarmDP.__new__(SwarmDP)
+
+    async def run(fn, *args):
+        return fn(*args)
+
+    async def alone(tensors, tag):
+        return tensors, 1
+
+    dp.host = SimpleNamespace(run=run, opt_step=0)
+    dp.params = params
+    dp.frags = [["w"], ["b"]]
+    dp.outer = OuterNesterov(params, lr=0.7, momentum=0.9)
+    dp.psgd = PowerSGDState(2, quantize=True)
+    dp.syncs, dp.group_sizes = 0, []
+    dp.keep_log, dp.log, dp.log_seq = True, deque(maxlen=maxlen), 0
+    dp.log_epoch, dp.log_base = "e1", "pretrained"
+    dp._average = alone
+    return dp
+
+
+def _wire(entries):
+    """The entries as the anchor receives them: fp16 pieces through rpc_dp_log's chunk format."""
+    return [(e.seq, weights_from_chunks(list(tensor_chunks(e.tensors())))) for e in entries]
+
+
+def test_the_anchor_follows_the_dp_log_to_the_peers_global_weights():
+    async def scenario():
+        gen = torch.Generator().manual_seed(0)
+        params = {"w": torch.randn(12, 10, generator=gen), "b": torch.randn(10, generator=gen)}
+        mine = {n: t.clone() for n, t in params.items()}  # the anchor's copy of the pretrained weights
+        dp = _logging_dp(params, maxlen=4)
+        fol = DPFollower(mine, lr=0.7, momentum=0.9)
+
+        async def inner_steps_then_sync(f):
+            for t in params.values():
+                t.add_(0.05 * torch.randn(t.shape, generator=gen))
+            await dp.sync(f)
+
+        for i in range(3):
+            await inner_steps_then_sync(i % 2)
+        assert fol.since("peerA") == (0, None)  # nothing followed yet: from the pretrained weights
+        assert not torch.allclose(mine["w"], dp.outer.start["w"], atol=1e-2)  # control
+        entries = dp.log_since(0, None)
+        assert [e.seq for e in entries] == [1, 2, 3]
+        assert fol.replay("peerA", dp.log_epoch, _wire(entries)) == 3
+        for n in params:  # fp16 factors on the wire: close, not bit-equal
+            torch.testing.assert_close(mine[n], dp.outer.start[n], atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(fol.outer.velocity[n], dp.outer.velocity[n], atol=2e-3, rtol=2e-3)
+
+        # bad entries change nothing: out of order, unknown tensors, wrong shapes, NaN
+        before = {n: t.clone() for n, t in mine.items()}
+        await inner_steps_then_sync(1)
+        good = _wire(dp.log_since(3, "e1"))
+        seq, tensors = good[0]
+        bad = [[(seq + 1, tensors)], [(seq, {**tensors, "p/x": torch.zeros(3)})],
+               [(seq, {**tensors, "p/b": torch.zeros(11)})],
+               [(seq, {**tensors, "p/b": tensors["p/b"] * float("nan")})]]
+        for entries in bad:
+            with pytest.raises(ValueError):
+                fol.replay("peerA", "e1", entries)
+            assert all(torch.equal(mine[n], before[n]) for n in mine) and fol.seq == 3
+        with pytest.raises(ValueError):  # another peer's log does not continue this one
+            fol.replay("peerB", "e9", good)
+        assert fol.since("peerB") is None
+        fol.replay("peerA", "e1", good)
+
+        # the peer syncs more often than its log holds: a gap, then the outer state once, then the log again
+        for i in range(5):
+            await inner_steps_then_sync(i % 2)
+        assert dp.log_since(*fol.since("peerA")) is None
+        state = weights_from_chunks(list(tensor_chunks({
+            **{f"start/{n}": t for n, t in dp.outer.start.items()},
+            **{f"velocity/{n}": t for n, t in dp.outer.velocity.items()}}, half=True)))
+        fol.load("peerA", dp.log_epoch, dp.log_seq, state)
+        await inner_steps_then_sync(0)
+        assert fol.replay("peerA", dp.log_epoch, _wire(dp.log_since(*fol.since("peerA")))) == 1
+        assert fol.seq == dp.log_seq == 10 and fol.loads == 1
+        for n in params:  # bf16 start weights, then one fp16 step
+            torch.testing.assert_close(mine[n], dp.outer.start[n], atol=2e-2, rtol=1e-2)
+
+    asyncio.run(scenario())
+
+
+def test_the_dp_log_answers_only_what_can_be_replayed():
+    dp = _logging_dp({"w": torch.zeros(4, 3), "b": torch.zeros(3)}, maxlen=2)
+    assert dp.log_since(0, None) == []  # no sync yet: the pretrained weights are current
+    for seq in range(1, 4):
+        dp._record(0, ({"w": torch.ones(4, 2) * seq, "b": torch.ones(3)}, {"w": torch.ones(3, 2)}))
+    assert [e.seq for e in dp.log] == [2, 3]
+    assert dp.log_since(0, None) is None  # entry 1 was dropped
+    assert [e.seq for e in dp.log_since(1, "e1")] == [2, 3]
+    assert dp.log_since(3, "e1") == [] and dp.log_since(4, "e1") is None and dp.log_since(0, "e1") is None
+    assert dp.log_since(2, "other") is None
+    dp.load_state_dict({"outer": dp.outer.state_dict(), "psgd": dp.psgd.state_dict(), "syncs": 3})
+    assert dp.log_epoch != "e1" and not dp.log and dp.log_since(3, "e1") is None
+    assert dp.log_since(0, None) is None  # a peer that loaded its state cannot be followed from pretrained

@@ -128,6 +128,45 @@ def test_three_stages_and_anchor(swarm_factory, tmp_path, cache_dir):
     assert after < before - 0.5, (before, after)
 
 
+def test_anchor_follows_dp_instead_of_fetching_weights(swarm_factory, tmp_path, cache_dir):
+    """``anchor.snapshot = dp``: the anchor keeps each stage's global weights by replaying a fast peer's DP log
+    (stage 1 has two peers that all-reduce; stage 0 syncs alone) and publishes priors from them."""
+    key_file = tmp_path / "anchor.key"
+    anchor_key = keys.public_key_string(keys.load_or_create_identity(key_file))
+    steps = 30
+    sw = swarm_factory([
+        "mask.ratio=0.95", "anchor.enabled=true", "anchor.period=5", "anchor.snapshot=\"dp\"", "spectral.rank=4",
+        f"train.steps={steps}", "dp.enabled=true", "dp.replicas=2", "dp.inner_steps=3", "dp.rank=4",
+        "dp.round_timeout=10.0", f"anchor.allowed_keys=[{json.dumps(anchor_key)}]",
+    ])
+    sw.start("s1a", "--stage", "1")
+    sw.start("s1b", "--stage", "1", wait=False)
+    anchor = sw.start("anchor", "--role", "anchor", "--identity", str(key_file), wait=False)
+    for p in sw.procs:
+        p.wait_ready(120)
+    metrics = tmp_path / "driver.jsonl"
+    sw.start("stage0", "--stage", "0", "--metrics-out", str(metrics))
+    wait_for(lambda: len(sw.metrics(metrics)) >= steps, 240, "the driver to finish")
+
+    def priors_everywhere():
+        st = sw.status()
+        return st if all(s["prior_age"] is not None for s in st["stages"]) else None
+
+    st = wait_for(priors_everywhere, 90, "every stage to hold a prior")
+    log = anchor.log.read_text()
+    import re
+
+    replayed = {int(s): int(n) for s, n in re.findall(r"stage (\d) replayed (\d+) DP outer steps", log)}
+    assert set(replayed) == {0, 1}, tail(anchor.log)
+    total = sum(int(n) for n in re.findall(r"replayed (\d+) DP outer steps", log))
+    assert total >= 4, tail(anchor.log)  # stage 0 alone syncs every 3 steps: several outer steps replayed
+    assert "following DP of stage" not in log, tail(anchor.log)  # no failed attempt
+    assert "from its outer state" not in log  # every peer started from the pretrained weights: no full load
+    syncs = [p for p in sw.procs[:2] if "DP sync" in p.log.read_text() and "group of 2" in p.log.read_text()]
+    assert syncs, "stage 1's two peers never averaged together"
+    assert st["bytes_per_token"]["anchor"] > 0
+
+
 def test_equivalence_with_in_process_mesh(swarm_factory, tmp_path, cache_dir):
     """One peer per stage, masked boundaries: the swarm's losses are the mesh's.
 
@@ -288,6 +327,20 @@ async def _attack(sw: Swarm, peer_id: str, good_key) -> None:
         await refused(valid(step=2, attempt=4), "stale")
         w3 = await weights()
         assert all(torch.equal(w2[k], w3[k]) for k in w2), "weights changed after a replay"
+
+        # the DP log and the outer state (anchor.snapshot = dp): malformed requests, and a peer without DP
+        async def refused_stream(method, request, needle):
+            with pytest.raises(RPCError) as info:
+                [c async for c in stream_rpc(client.p2p, peer, f"{run}.{method}", request,
+                                             max_bytes=limits.max_message_bytes, timeout=30)]
+            assert needle in str(info.value), str(info.value)
+
+        await refused_stream("rpc_dp_log", {"run": run, "since": -1}, "since")
+        await refused_stream("rpc_dp_log", {"run": run, "since": True}, "since")
+        await refused_stream("rpc_dp_log", {"run": run, "since": 0, "epoch": 5}, "epoch")
+        await refused_stream("rpc_dp_log", {"run": run, "since": 0}, "without DP")
+        await refused_stream("rpc_dp_log", {"run": "other", "since": 0}, "run")
+        await refused_stream("rpc_get_weights", {"run": run, "what": "outer"}, "without DP")
 
         # priors: wrong shapes and non-finite values from the allowed key; good-looking ones from another key
         prior, prior_data = keys.prior_key(run, 1), keys.prior_data_key(run, 1)

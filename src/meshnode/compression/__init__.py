@@ -25,7 +25,7 @@ from .codec import (
     simulate_transfer,
 )
 from .mask import MaskKey, channel_hash, keep_indices, keep_mask, num_kept
-from .powersgd import PowerSGDState, compressed_rank, orthonormalize, powersgd_allreduce
+from .powersgd import PowerSGDState, compressed_rank, orthonormalize, powersgd_allreduce, powersgd_decode
 from .quant import dequantize_absmax, fake_quantize, pack_int4, quantize_absmax, quantized_nbytes, unpack_int4
 from .rotquant import ROTQ_BITS, rotation, rotq_decode, rotq_encode, rotq_nbytes
 
@@ -35,6 +35,7 @@ __all__ = [
     "RotQuantCodec", "rotation", "rotq_decode", "rotq_encode", "rotq_nbytes",
     "TopKCodec", "channel_hash", "compressed_rank", "dequantize_absmax", "fake_quantize", "gather_kept",
     "keep_indices", "keep_mask", "make_codec", "masked_boundary", "num_kept", "orthonormalize", "pack_int4",
-    "payload_bytes", "powersgd_allreduce", "quantize_absmax", "quantized_nbytes", "rms_scale", "scatter_kept",
+    "payload_bytes", "powersgd_allreduce", "powersgd_decode", "quantize_absmax", "quantized_nbytes", "rms_scale",
+    "scatter_kept",
     "simulate_transfer", "tensor_bytes", "unpack_int4",
 ]

@@ -240,6 +240,27 @@ class PowerSGDState:
         return total
 
 
+def powersgd_decode(
+    p_avg: Mapping[str, Tensor], q_avg: Mapping[str, Tensor], shapes: Mapping[str, torch.Size | tuple[int, ...]]
+) -> dict[str, Tensor]:
+    """The averaged approximation of a round from its two averaged phases alone (float32).
+
+    What :meth:`PowerSGDState.finish` returns, ``orthonormalise(P_avg) Q_avg^T`` per compressed tensor and
+    the average itself for the others, computed by someone who holds no state of the round: a peer that
+    follows the DP rounds without taking part (the anchor with ``anchor.snapshot = "dp"``).
+    """
+    out: dict[str, Tensor] = {}
+    for name, shape in shapes.items():
+        if name not in p_avg:
+            raise KeyError(f"averaged P is missing {name!r}")
+        p = p_avg[name].to(torch.float32)
+        if name in q_avg:
+            out[name] = (orthonormalize(p) @ q_avg[name].to(torch.float32).T).reshape(shape)
+        else:
+            out[name] = p.reshape(shape).clone()
+    return out
+
+
 def _mean(dicts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     return {k: torch.stack([d[k] for d in dicts]).mean(0) for k in dicts[0]}
 
@@ -269,4 +290,4 @@ def powersgd_allreduce(
     return outs, sent
 
 
-__all__ = ["PowerSGDState", "compressed_rank", "orthonormalize", "powersgd_allreduce"]
+__all__ = ["PowerSGDState", "compressed_rank", "orthonormalize", "powersgd_allreduce", "powersgd_decode"]

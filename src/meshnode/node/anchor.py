@@ -3,8 +3,12 @@
 One anchor peer holds every stage (DESIGN.md: one anchor replica is enough). Every ``anchor.period``
 driver steps (read from the peers' records) it runs a cycle:
 
-1. fetch each stage's current weights from an online fast peer (``rpc_get_weights``, bf16; the
-   bytes count on the ``anchor`` axis, as the in-process mesh counts its snapshot);
+1. take each stage's weights: with ``anchor.snapshot = "full"`` fetch its current weights from an online
+   fast peer (``rpc_get_weights``, bf16); with ``"dp"`` replay that peer's DP log since the last cycle
+   (``rpc_dp_log``: each outer step's averaged PowerSGD phases, fp16) on the anchor's own copy of the
+   global weights (:class:`~.dp.DPFollower`), loading the peer's outer state in full only when the log
+   cannot be continued (first contact with a peer whose log does not start at the pretrained weights,
+   another peer, entries dropped). The bytes count on the ``anchor`` axis either way;
 2. draw a batch from the training distribution (its own order: ``seed + ANCHOR_SEED_OFFSET``) and run
    an unmasked forward/backward with dense boundaries (counted on ``anchor`` like the mesh does);
 3. fold each targeted matrix's clean gradient into its EMA and take the SVD truncated to
@@ -32,6 +36,7 @@ from ..protocol.limits import Limits
 from ..protocol.messages import tensor_to_bytes
 from ..protocol.records import PeerRecord, cycle_digest, factors_digest, prior_value
 from ..protocol.servicer import stream_rpc
+from .dp import DPFollower
 from .host import weights_from_chunks
 from .priors import HEADER_NAME
 from .status import driver_step
@@ -73,6 +78,10 @@ class AnchorRunner:
                                      beta=sp.beta, rank=sp.rank, mode="filter", ema_init=sp.ema_init)
                 for name in sorted(w.optimizer.filters)
             })
+        self.followers: list[DPFollower] = []
+        if cfg.anchor.snapshot == "dp":
+            self.followers = [DPFollower(dict(w.module.named_parameters()), lr=cfg.dp.outer_lr,
+                                         momentum=cfg.dp.outer_momentum) for w in self.workers]
         tok = make_tokenizer(cfg.model, hf_tok)
         corpus = prepare_corpus(cfg.data, tok, self.node.opts.cache_dir)
         batch = cfg.anchor.batch_size or cfg.train.batch_size
@@ -118,25 +127,88 @@ class AnchorRunner:
                 await asyncio.wait_for(node.stopping.wait(), 1.0)
         await self._announce("offline")
 
+    async def _stream(self, peer_id: str, method: str, request: dict) -> list[dict]:
+        chunks = []
+        async for item in stream_rpc(
+            self.node.swarm.p2p, PeerID.from_base58(peer_id), f"{self.node.run_id}.{method}",
+            {"run": self.node.run_id, **request}, max_bytes=self.limits.max_message_bytes,
+            timeout=self.limits.rpc_timeout,
+        ):
+            chunks.append(item)
+        if not chunks:
+            raise RuntimeError(f"{method}: empty reply")
+        return chunks
+
+    def _count(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.node.counter.add("anchor", sum(t.numel() * t.element_size() for t in tensors.values()))
+
     async def _fetch(self, stage: int) -> tuple[dict, int]:
+        """``anchor.snapshot = "full"``: the stage's current weights (bf16) from one of its fast peers."""
         swarm = self.node.swarm
         last = None
         for peer in swarm.candidates(stage)[:3]:
             try:
-                chunks = []
-                async for item in stream_rpc(
-                    swarm.p2p, PeerID.from_base58(peer.peer_id), f"{self.node.run_id}.rpc_get_weights",
-                    {"run": self.node.run_id, "dtype": "bfloat16"}, max_bytes=self.limits.max_message_bytes,
-                    timeout=self.limits.rpc_timeout,
-                ):
-                    chunks.append(item)
+                chunks = await self._stream(peer.peer_id, "rpc_get_weights", {"dtype": "bfloat16"})
                 weights = weights_from_chunks(chunks)
-                self.node.counter.add("anchor", sum(t.numel() * t.element_size() for t in weights.values()))
+                self._count(weights)
                 return weights, int(chunks[-1].get("opt_step", 0))
             except Exception as exc:
                 last = exc
                 swarm.avoid(peer.peer_id)
         raise RuntimeError(f"stage {stage}: no peer gave its weights ({last})")
+
+    async def _dp_log(self, peer_id: str, since: int, epoch: str | None) -> tuple[list, dict]:
+        chunks = await self._stream(peer_id, "rpc_dp_log", {"since": since, "epoch": epoch})
+        by_seq: dict[int, list[dict]] = {}
+        for c in chunks:
+            if c.get("pieces"):
+                seq = c.get("seq")
+                if not isinstance(seq, int) or isinstance(seq, bool):
+                    raise ValueError("DP log chunk without an entry number")
+                by_seq.setdefault(seq, []).append(c)
+        entries = [(seq, weights_from_chunks(cs)) for seq, cs in sorted(by_seq.items())]
+        for _, tensors in entries:
+            self._count(tensors)
+        meta = chunks[-1]
+        if not isinstance(meta.get("dp_epoch"), str):
+            raise ValueError("DP log reply without an epoch")
+        return entries, meta
+
+    async def _follow(self, stage: int) -> int:
+        """``anchor.snapshot = "dp"``: bring the stage's global weights up to date from a fast peer's DP log."""
+        swarm = self.node.swarm
+        fol = self.followers[stage]
+        peers = swarm.candidates(stage)[:3]
+        peers.sort(key=lambda p: p.peer_id != fol.source)  # the peer already followed first
+        last = None
+        for peer in peers:
+            try:
+                ask = fol.since(peer.peer_id)
+                meta: dict = {}
+                if ask is not None:
+                    entries, meta = await self._dp_log(peer.peer_id, *ask)
+                if ask is None or meta.get("gap"):
+                    chunks = await self._stream(peer.peer_id, "rpc_get_weights",
+                                                {"what": "outer", "dtype": "bfloat16"})
+                    state = weights_from_chunks(chunks)
+                    self._count(state)
+                    head = chunks[-1]
+                    await asyncio.to_thread(fol.load, peer.peer_id, str(head.get("dp_epoch")),
+                                            int(head.get("dp_seq", 0)), state)
+                    logger.info("anchor: stage %d follows DP of %s from its outer state (entry %d)", stage,
+                                peer.peer_id[-8:], fol.seq)
+                    entries, meta = await self._dp_log(peer.peer_id, fol.seq, fol.epoch)
+                    if meta.get("gap"):
+                        raise RuntimeError("DP log gap right after loading the outer state")
+                n = await asyncio.to_thread(fol.replay, peer.peer_id, meta["dp_epoch"], entries)
+                logger.info("anchor: stage %d replayed %d DP outer steps of %s (now at entry %d)", stage, n,
+                            peer.peer_id[-8:], fol.seq)
+                return int(meta.get("opt_step", 0))
+            except Exception as exc:
+                last = exc
+                logger.warning("anchor: following DP of stage %d via %s failed: %r", stage, peer.peer_id[-8:], exc)
+                swarm.avoid(peer.peer_id)
+        raise RuntimeError(f"stage {stage}: no peer gave its DP log ({last})")
 
     def _pass(self, ids: torch.Tensor, step: int) -> list[dict[str, torch.Tensor]]:
         from ..stage import MicrobatchId, chain_gradients
@@ -158,6 +230,9 @@ class AnchorRunner:
         node = self.node
         steps = []
         for s, w in enumerate(self.workers):
+            if self.followers:
+                steps.append(await self._follow(s))
+                continue
             weights, opt_step = await self._fetch(s)
             await asyncio.to_thread(w.module.load_state_dict, weights)
             steps.append(opt_step)

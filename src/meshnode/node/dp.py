@@ -34,6 +34,15 @@ Two schedules:
 
 Bytes on the ``dp`` axis: what the butterfly all-reduce sends per round, ``2 (g-1)/g`` times the
 buffer for a group of g peers.
+
+The DP log (``anchor.snapshot = "dp"``): each outer step this peer applies is kept as the sync's two
+averaged phases (P and Q, fp16), numbered 1, 2, ... in the order applied, the last ``DP_LOG_ENTRIES`` of
+them, under a random ``epoch`` that names this log. The anchor (:class:`DPFollower`) replays them on its
+own copy of the start weights instead of fetching every stage's weights each cycle: both began from the
+same pretrained weights, and the outer step is a function of the averaged update alone, so the anchor
+holds this peer's global weights for the price of one replica's share of each sync (fp16). A follower
+that cannot continue the log (it is new to this peer, the peer restarted or loaded its state, or the
+entries it needs were dropped) first loads the peer's outer state (start weights and momentum, bf16) once.
 """
 
 from __future__ import annotations
@@ -41,15 +50,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from ..compression import PowerSGDState, compressed_rank
+from ..compression import PowerSGDState, compressed_rank, powersgd_decode
 from ..optim import OuterNesterov, fragments, fragments_due, sync_schedule
 from ..protocol import keys
 
 logger = logging.getLogger(__name__)
+
+DP_LOG_ENTRIES = 16  # outer steps a fast peer keeps for the anchor (anchor.snapshot = "dp")
+
+
+@dataclass(frozen=True, slots=True)
+class DPLogEntry:
+    """One applied outer step: the sync's averaged phases, enough to redo it (:func:`powersgd_decode`)."""
+
+    seq: int
+    fragment: int
+    p: dict[str, torch.Tensor]  # fp16; every tensor of the fragment (the uncompressed ones whole)
+    q: dict[str, torch.Tensor]  # fp16; the compressed tensors only
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {**{f"p/{n}": t for n, t in self.p.items()}, **{f"q/{n}": t for n, t in self.q.items()}}
 
 
 class SwarmDP:
@@ -73,12 +100,18 @@ class SwarmDP:
         self.round_timeout = cfg.round_timeout if round_timeout is None else round_timeout
         self.overlap = cfg.overlap
         self.pending: dict[int, asyncio.Task] = {}  # fragment -> background rounds (overlap)
-        self.ready: list[tuple[list[str], dict, dict]] = []  # (names, averaged update, weight snapshot)
+        self.ready: list[tuple[int, dict, dict, tuple]] = []  # (fragment, averaged update, weight snapshot, phases)
         self.skipped = 0
         self._round_lock = asyncio.Lock()
         self.syncs = 0
         self.rounds = 0
         self.group_sizes: list[int] = []
+        anchor = host.cfg.anchor
+        self.keep_log = anchor.enabled and anchor.snapshot == "dp"
+        self.log: deque[DPLogEntry] = deque(maxlen=DP_LOG_ENTRIES)
+        self.log_seq = 0  # outer steps applied (the last entry's number)
+        self.log_epoch = secrets.token_hex(8)
+        self.log_base = "pretrained"  # "loaded" once the state came from a checkpoint or a peer
         self.averager = DecentralizedAverager(
             [self.buffer], dht, start=True, prefix=keys.dp_prefix(run_id, host.stage), min_group_size=2,
             target_group_size=max(2, cfg.replicas), min_matchmaking_time=matchmaking_time, request_timeout=2.0,
@@ -118,19 +151,41 @@ class SwarmDP:
         names = self.frags[f]
         host = self.host
         pseudo = await host.run(self.outer.pseudo_gradient, self.params, names)
-        out, g = await self._rounds(f, self.syncs, pseudo)
+        out, g, phases = await self._rounds(f, self.syncs, pseudo)
         await host.run(self._apply, out)
+        self._record(f, phases)
         self._count(f, g)
 
-    async def _rounds(self, f: int, tag: int | None, pseudo: dict) -> tuple[dict, int]:
-        """PowerSGD phase P, all-reduce, phase Q, all-reduce, finish: the averaged update and the group size."""
+    async def _rounds(self, f: int, tag: int | None, pseudo: dict) -> tuple[dict, int, tuple[dict, dict]]:
+        """PowerSGD phase P, all-reduce, phase Q, all-reduce, finish: the averaged update, the group size and the
+        two averaged phases (what :func:`powersgd_decode` needs to redo the update)."""
         host = self.host
         p = await host.run(self.psgd.phase_p, pseudo)
         p_avg, g1 = await self._average(p, ("p", f) if tag is None else ("p", f, tag))
         q = await host.run(self.psgd.phase_q, p_avg)
         q_avg, g2 = await self._average(q, ("q", f) if tag is None else ("q", f, tag))
         out = await host.run(self.psgd.finish, q_avg)
-        return out, min(g1, g2)
+        return out, min(g1, g2), (p_avg, q_avg)
+
+    def _record(self, f: int, phases: tuple[dict, dict]) -> None:
+        """Number the outer step just applied and, when the anchor follows DP, keep its phases."""
+        self.log_seq += 1
+        if self.keep_log:
+            p, q = ({n: t.detach().to(torch.float16, copy=True) for n, t in d.items()} for d in phases)
+            self.log.append(DPLogEntry(self.log_seq, f, p, q))
+
+    def log_since(self, since: int, epoch: str | None) -> list[DPLogEntry] | None:
+        """The outer steps after ``since`` of the log ``epoch``, or None when they cannot be replayed (a gap).
+
+        ``epoch = None`` asks from the pretrained weights: only a peer that started from them and still holds
+        its first entry can answer."""
+        if epoch is None:
+            ok = since == 0 and self.log_base == "pretrained" and (self.log_seq == 0 or (
+                bool(self.log) and self.log[0].seq == 1))
+        else:
+            ok = epoch == self.log_epoch and 0 <= since <= self.log_seq and (
+                since == self.log_seq or (bool(self.log) and self.log[0].seq <= since + 1))
+        return [e for e in self.log if e.seq > since] if ok and self.keep_log else None
 
     def _count(self, f: int, group: int) -> None:
         self.syncs += 1
@@ -140,8 +195,8 @@ class SwarmDP:
     async def _background(self, f: int, due_step: int, names: list[str], pseudo: dict, snapshot: dict) -> None:
         try:
             async with self._round_lock:  # one averager buffer: rounds of different fragments take turns
-                out, g = await self._rounds(f, None, pseudo)
-            self.ready.append((names, out, snapshot))
+                out, g, phases = await self._rounds(f, None, pseudo)
+            self.ready.append((f, out, snapshot, phases))
             self._count(f, g)
         except Exception as exc:  # the fast circuit goes on; this fragment simply skipped a sync
             logger.warning("DP background sync of fragment %d failed: %r", f, exc)
@@ -151,8 +206,9 @@ class SwarmDP:
     async def apply_ready(self) -> None:
         """Apply finished background syncs (call with the gate closed: no live autograd graph)."""
         while self.ready:
-            names, out, snapshot = self.ready.pop(0)
+            f, out, snapshot, phases = self.ready.pop(0)
             await self.host.run(self._apply_keep_progress, out, snapshot)
+            self._record(f, phases)
 
     def _snapshot(self, names: list[str]) -> dict[str, torch.Tensor]:
         return {n: self.params[n].detach().to(torch.float32, copy=True) for n in names}
@@ -206,6 +262,10 @@ class SwarmDP:
         self.outer.load_state_dict(state["outer"])
         self.psgd.load_state_dict(state["psgd"])
         self.syncs = int(state["syncs"])
+        # the start weights came from elsewhere: a new log that followers cannot reach from the pretrained weights
+        self.log.clear()
+        self.log_base = "loaded"
+        self.log_epoch = secrets.token_hex(8)
 
     def shutdown(self) -> None:
         for task in self.pending.values():
@@ -214,4 +274,84 @@ class SwarmDP:
             self.averager.shutdown()
 
 
-__all__ = ["SwarmDP"]
+class DPFollower:
+    """One stage's global (outer) weights, kept by replaying a fast peer's DP log (``anchor.snapshot = "dp"``).
+
+    ``params`` are the follower's own live parameters (the anchor's stage module, loaded with the pretrained
+    weights); they always hold the start weights. Entries must come in order and belong to the log
+    (``epoch``) being followed; anything else (a gap, an unknown tensor, a wrong shape, a non-finite value)
+    raises ValueError before any weight changes.
+    """
+
+    def __init__(self, params: dict[str, torch.Tensor], *, lr: float, momentum: float):
+        self.params = params
+        self.outer = OuterNesterov(params, lr=lr, momentum=momentum)
+        self.source: str | None = None
+        self.epoch: str | None = None  # None: the pretrained weights, no log followed yet
+        self.seq = 0
+        self.replayed = 0  # outer steps replayed in total
+        self.loads = 0  # outer states loaded in full
+
+    def since(self, source: str) -> tuple[int, str | None] | None:
+        """What to ask ``source`` for: the next entries of the followed log, ``(0, None)`` (from the pretrained
+        weights) when nothing was followed yet, or None when ``source``'s outer state must be loaded first (a
+        different peer's log cannot continue ours)."""
+        if self.epoch is None and self.loads == 0:
+            return 0, None
+        return (self.seq, self.epoch) if source == self.source else None
+
+    def _decode(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        p = {k[2:]: v for k, v in tensors.items() if k.startswith("p/")}
+        q = {k[2:]: v for k, v in tensors.items() if k.startswith("q/")}
+        if len(p) + len(q) != len(tensors) or not p:
+            raise ValueError("DP log entry: unexpected tensor names")
+        unknown = [n for n in p if n not in self.params] + [n for n in q if n not in p]
+        if unknown:
+            raise ValueError(f"DP log entry names tensors this stage does not have: {unknown[:3]}")
+        if any(not bool(torch.isfinite(t).all()) for t in tensors.values()):
+            raise ValueError("DP log entry holds non-finite values")
+        try:
+            avg = powersgd_decode(p, q, {n: self.params[n].shape for n in p})
+        except RuntimeError as exc:  # factor shapes that do not multiply out to the parameter's
+            raise ValueError(f"DP log entry: inconsistent factor shapes ({exc})") from exc
+        if any(not bool(torch.isfinite(t).all()) for t in avg.values()):
+            raise ValueError("DP log entry decodes to non-finite values")
+        return avg
+
+    @torch.no_grad()
+    def replay(self, source: str, epoch: str, entries: list[tuple[int, dict[str, torch.Tensor]]]) -> int:
+        """Apply ``(seq, tensors)`` entries of ``source``'s log ``epoch``; every entry is checked first."""
+        expect = self.seq if source == self.source or (self.epoch is None and self.loads == 0) else None
+        avgs = []
+        for seq, tensors in entries:
+            if expect is None or seq != expect + 1:
+                raise ValueError(f"DP log: entry {seq} does not follow {expect} of the followed log")
+            avgs.append(self._decode(tensors))
+            expect = seq
+        for avg in avgs:
+            self.outer.apply(avg, self.params)
+        self.source, self.epoch = source, epoch
+        if entries:
+            self.seq = entries[-1][0]
+        self.replayed += len(entries)
+        return len(entries)
+
+    @torch.no_grad()
+    def load(self, source: str, epoch: str, seq: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Take ``source``'s outer state (``start/<name>`` and ``velocity/<name>``) as the point to follow from."""
+        start = {k[6:]: v for k, v in tensors.items() if k.startswith("start/")}
+        velocity = {k[9:]: v for k, v in tensors.items() if k.startswith("velocity/")}
+        if set(start) != set(self.params) or not set(velocity) <= set(start):
+            raise ValueError("outer state: start weights missing or unknown tensors")
+        for n, t in [*start.items(), *velocity.items()]:
+            if tuple(t.shape) != tuple(self.params[n].shape) or not bool(torch.isfinite(t).all()):
+                raise ValueError(f"outer state {n!r}: wrong shape or non-finite values")
+        self.outer.start = {n: t.to(torch.float32, copy=True) for n, t in start.items()}
+        self.outer.velocity = {n: t.to(torch.float32, copy=True) for n, t in velocity.items()}
+        for n, p in self.params.items():
+            p.copy_(self.outer.start[n].to(p.dtype))
+        self.source, self.epoch, self.seq = source, epoch, int(seq)
+        self.loads += 1
+
+
+__all__ = ["DP_LOG_ENTRIES", "DPFollower", "DPLogEntry", "SwarmDP"]

@@ -296,34 +296,55 @@ class StageHost:
     def _weights_snapshot(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.worker.module.state_dict().items()}
 
+    def _outer_snapshot(self) -> dict[str, torch.Tensor]:
+        outer = self.dp.outer
+        return {**{f"start/{n}": t.clone() for n, t in outer.start.items()},
+                **{f"velocity/{n}": t.clone() for n, t in outer.velocity.items()}}
+
     async def weights_stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """The stage's current weights as chunks of ``{name: [dtype, shape, bytes]}`` (float32, or bf16 on request)."""
+        """The stage's current weights as chunks of ``{name: [dtype, shape, bytes]}`` (float32, or bf16 on request).
+
+        ``what = "outer"``: the DP outer state instead (``start/<name>``, ``velocity/<name>``), where a follower
+        of the DP log (:class:`~.dp.DPFollower`) starts from; ``dp_seq`` and ``dp_epoch`` say which log entry
+        it corresponds to."""
         if request.get("run") != self.run_id:
             raise WireError(f"weights request for run {request.get('run')!r}")
-        half = request.get("dtype") == "bfloat16"
+        outer = request.get("what") == "outer"
+        if outer and self.dp is None:
+            raise WireError("outer state requested from a peer without DP")
         async with self._cond:  # between steps: a consistent snapshot
             await self._cond.wait_for(lambda: not self._stepping)
-            weights = await self.run(self._weights_snapshot)
+            weights = await self.run(self._outer_snapshot if outer else self._weights_snapshot)
             meta = {"opt_step": self.opt_step, "driver_step": self.driver_step, "dp_syncs": self.dp_syncs()}
-        # entries: name -> [dtype, shape, bytes, offset]; a tensor larger than a chunk (an embedding)
-        # is split into pieces at increasing offsets, which weights_from_chunks joins again
-        piece = WEIGHT_CHUNK_BYTES // 2
-        entries: list[tuple[str, list]] = []
-        for name, t in weights.items():
-            t = t.to(torch.bfloat16) if half and t.is_floating_point() else t
-            data = tensor_to_bytes(t)
-            dtype, shape = str(t.dtype).removeprefix("torch."), list(t.shape)
-            for offset in range(0, max(1, len(data)), piece):
-                entries.append((name, [dtype, shape, data[offset : offset + piece], offset]))
-        chunk: list[list] = []
-        size = 0
-        for i, (name, spec) in enumerate(entries):
-            chunk.append([name, *spec])
-            size += len(spec[2])
-            last = i == len(entries) - 1
-            if size >= piece or last:
-                yield {"ok": True, "pieces": chunk, "last": last, **meta}
-                chunk, size = [], 0
+            if self.dp is not None:
+                meta.update(dp_seq=self.dp.log_seq, dp_epoch=self.dp.log_epoch)
+        for chunk in tensor_chunks(weights, half=request.get("dtype") == "bfloat16"):
+            yield {**chunk, **meta}
+
+    async def dp_log_stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The DP log after ``since`` (:meth:`~.dp.SwarmDP.log_since`): per entry, chunks of its tensors
+        (``p/<name>``, ``q/<name>``, fp16) tagged with ``seq`` and ``fragment``; ``gap = true`` when the
+        requested entries cannot be replayed (the caller then loads the outer state)."""
+        if request.get("run") != self.run_id:
+            raise WireError(f"DP log request for run {request.get('run')!r}")
+        since, epoch = request.get("since"), request.get("epoch")
+        if not isinstance(since, int) or isinstance(since, bool) or since < 0:
+            raise WireError("DP log request: since must be an integer >= 0")
+        if epoch is not None and not (isinstance(epoch, str) and len(epoch) <= 64):
+            raise WireError("DP log request: epoch must be a short string or null")
+        if self.dp is None:
+            raise WireError("DP log requested from a peer without DP")
+        async with self._cond:  # between steps: the log and the step agree
+            await self._cond.wait_for(lambda: not self._stepping)
+            entries = self.dp.log_since(since, epoch)
+            meta = {"opt_step": self.opt_step, "dp_seq": self.dp.log_seq, "dp_epoch": self.dp.log_epoch}
+        if not entries:
+            yield {"ok": True, "pieces": [], "gap": entries is None, "last": True, **meta}
+            return
+        for i, entry in enumerate(entries):
+            for chunk in tensor_chunks(entry.tensors()):
+                yield {**chunk, "seq": entry.seq, "fragment": entry.fragment, "gap": False,
+                       "last": chunk["last"] and i == len(entries) - 1, **meta}
 
     def dp_syncs(self) -> int:
         return 0 if self.dp is None else self.dp.syncs
@@ -360,6 +381,29 @@ class StageHost:
             self.dp.load_state_dict(state["dp"])
 
 
+def tensor_chunks(tensors: dict[str, torch.Tensor], half: bool = False):
+    """``{"ok", "pieces", "last"}`` frames of about ``WEIGHT_CHUNK_BYTES / 2`` carrying ``tensors`` (bf16 if
+    ``half``). Pieces: ``[name, dtype, shape, bytes, offset]``; a tensor larger than a frame (an embedding) is
+    split at increasing offsets, which :func:`weights_from_chunks` joins again."""
+    piece = WEIGHT_CHUNK_BYTES // 2
+    entries: list[tuple[str, list]] = []
+    for name, t in tensors.items():
+        t = t.to(torch.bfloat16) if half and t.is_floating_point() else t
+        data = tensor_to_bytes(t)
+        dtype, shape = str(t.dtype).removeprefix("torch."), list(t.shape)
+        for offset in range(0, max(1, len(data)), piece):
+            entries.append((name, [dtype, shape, data[offset : offset + piece], offset]))
+    chunk: list[list] = []
+    size = 0
+    for i, (name, spec) in enumerate(entries):
+        chunk.append([name, *spec])
+        size += len(spec[2])
+        last = i == len(entries) - 1
+        if size >= piece or last:
+            yield {"ok": True, "pieces": chunk, "last": last}
+            chunk, size = [], 0
+
+
 def weights_from_chunks(chunks: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """Rebuild a state dict from :meth:`StageHost.weights_stream` chunks (pieces in order; all checked)."""
     parts: dict[str, tuple[str, list, bytearray]] = {}
@@ -388,4 +432,4 @@ def weights_from_chunks(chunks: list[dict[str, Any]]) -> dict[str, torch.Tensor]
     return out
 
 
-__all__ = ["StageHost", "weights_from_chunks"]
+__all__ = ["StageHost", "tensor_chunks", "weights_from_chunks"]

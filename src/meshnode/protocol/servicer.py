@@ -4,7 +4,7 @@ Activations are large, so the servicer uses hivemind's binary streams (one lengt
 frame per message, :mod:`.messages`) rather than protobuf-framed ones. Each ``rpc_<verb>`` method of a
 :class:`StageServicer` is registered under ``{namespace}.rpc_<verb>`` (the namespace is the run id),
 takes the unpacked request map and a :class:`RPCContext`, and returns a reply map, or an async
-iterator of reply maps for streaming methods (``rpc_get_weights``, ``rpc_get_state``).
+iterator of reply maps for streaming methods (``rpc_get_weights``, ``rpc_get_state``, ``rpc_dp_log``).
 
 The servicer is transport only: it reads one frame under the size limit, unpacks it with bounded
 containers, hands it to the backend (the daemon's stage host, which validates the fields against
@@ -50,9 +50,11 @@ class StageBackend(Protocol):
 
     def state_stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
 
+    def dp_log_stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
+
 
 class StageServicer:
-    """``rpc_forward``, ``rpc_backward``, ``rpc_info``, ``rpc_get_weights``, ``rpc_get_state`` of one stage peer."""
+    """``rpc_forward``, ``rpc_backward``, ``rpc_info``, ``rpc_get_weights``, ``rpc_get_state``, ``rpc_dp_log``."""
 
     def __init__(self, backend: StageBackend, max_message_bytes: int):
         self.backend = backend
@@ -77,6 +79,10 @@ class StageServicer:
 
     async def rpc_get_state(self, request: dict[str, Any], context: RPCContext) -> AsyncIterator[dict[str, Any]]:
         async for item in self.backend.state_stream(request):
+            yield item
+
+    async def rpc_dp_log(self, request: dict[str, Any], context: RPCContext) -> AsyncIterator[dict[str, Any]]:
+        async for item in self.backend.dp_log_stream(request):
             yield item
 
     # ---- registration ----------------------------------------------------------------------
