@@ -295,12 +295,15 @@ FWD_SHARE = 1 / 3  # forward : backward compute = 1 : 2 (the backward computes t
 def simulate_variant(variant: str, bench: BenchModel, replicas: int, compute_s: list[float], sizes: WireSizes,
                      link_mbit: float, delay_ms: float, *, dp_inner_steps: int = 10, anchor_period: int = 10,
                      dp_overlap: bool = True, steps: int = 30,
-                     message_overhead_s: float = 0.0, prior_holders: int = DHT_REPLICAS) -> perf_sim.SimResult:
+                     message_overhead_s: float = 0.0, prior_holders: int = DHT_REPLICAS,
+                     background_bytes_per_s: float = 0.0) -> perf_sim.SimResult:
     """The event-level cost model (:mod:`meshnode.perf_sim`) of one variant of the benchmark swarm.
 
     Same inputs as :func:`predict_variant`. DP: a sync's two averaging rounds each take at least
     ``DP_MATCHMAKING_S`` of matchmaking; blocking unless the run used ``dp.overlap``. Priors reach the
     fast peers through the DHT: stored on ``prior_holders`` peers (node/priors.py reads one holder's copy).
+    ``background_bytes_per_s`` (wire bytes per peer, e.g. the idle swarm's): charged while links are busy
+    (:func:`meshnode.perf_sim.simulate_with_background`).
     """
     dp_on = variant == "m95_ap_dp"
     ap_on = variant in ("m95_ap", "m95_ap_dp")
@@ -314,6 +317,8 @@ def simulate_variant(variant: str, bench: BenchModel, replicas: int, compute_s: 
         prior_bytes=sizes.prior_per_cycle, steps=steps, warmup_steps=4, message_overhead_s=message_overhead_s,
         prior_holders=prior_holders,
     )
+    if background_bytes_per_s > 0:
+        return perf_sim.simulate_with_background(spec, background_bytes_per_s * 8 * TCP_GOODPUT)
     return perf_sim.simulate(spec)
 
 
@@ -326,7 +331,9 @@ def model_steps(measured: dict, least: int = 30) -> int:
 def _sim_of(result: dict, variant: str, overhead_s: float, link_mbit: float | str | None = None,
             steps: int | None = None) -> perf_sim.SimResult:
     """The event model of one recorded variant (its recorded inputs), with a given per-message overhead, on the
-    nominal link, on ``link_mbit``, or (``"available"``) on the rate its run left the pipeline."""
+    nominal link, on ``link_mbit``, on the rate its run left the pipeline (``"available"``: less the idle
+    swarm's traffic and the retransmissions), or (``"busy"``) on the link less the retransmissions with the idle
+    traffic charged only while the link carries pipeline bytes."""
     r = result["variants"][variant]
     mi = r["model_inputs"]
     sz = WireSizes(mi["pp_fwd_bytes"], mi["pp_bwd_bytes"], mi["dp_per_sync"], mi["prior_per_cycle"],
@@ -334,13 +341,18 @@ def _sim_of(result: dict, variant: str, overhead_s: float, link_mbit: float | st
     link = result["link"]
     if link_mbit is None:
         link_mbit = link["rate_mbit_each_way"]
-    elif link_mbit == "available":  # what the run left the pipeline: less idle traffic and retransmissions
+    background = 0.0
+    if link_mbit == "available":  # what the run left the pipeline: less idle traffic and retransmissions
         link_mbit = mi.get("link_mbit_available", link["rate_mbit_each_way"])
+    elif link_mbit == "busy":
+        link_mbit = available_link_mbit(link["rate_mbit_each_way"], 0.0, mi.get("retrans_share", 0.0))
+        background = mi.get("background_bytes_per_s", 0.0)
     return simulate_variant(variant, BenchModel(**result["model"]), result["swarm"]["replicas_per_stage"],
                             mi["compute_s_per_microbatch"], sz, link_mbit,
                             link["delay_ms_one_way"], dp_inner_steps=mi["dp_inner_steps"],
                             anchor_period=mi["anchor_period"], dp_overlap=mi.get("dp_overlap", False),
-                            steps=model_steps(r) if steps is None else steps, message_overhead_s=overhead_s)
+                            steps=model_steps(r) if steps is None else steps, message_overhead_s=overhead_s,
+                            background_bytes_per_s=background)
 
 
 def fit_message_overhead(result: dict, variant: str, hi_s: float = 2.0) -> float:
@@ -733,20 +745,30 @@ def repredict(result: dict, message_overhead_s: float | None = None) -> None:
                                link["delay_ms_one_way"], dp_inner_steps=mi["dp_inner_steps"],
                                anchor_period=mi["anchor_period"])
         sim = _sim_of(result, v, overhead)
+        measured_link = "link_mbit_available" in mi
         record_predictions(r, sim, pred, wave_tokens_per_s(pred, bench, replicas, link["delay_ms_one_way"]),
-                           _sim_of(result, v, overhead, "available") if "link_mbit_available" in mi else None)
+                           _sim_of(result, v, overhead, "available") if measured_link else None,
+                           _sim_of(result, v, overhead, "busy") if measured_link else None)
 
 
 def record_predictions(r: dict, sim: perf_sim.SimResult, pred: perf.Prediction, wave: float,
-                       sim_available: perf_sim.SimResult | None = None) -> None:
-    """The event-level model is the prediction; the closed form and the wave bound are kept beside it, and the
-    event model on the link the run left the pipeline (idle traffic and retransmissions taken off) when given."""
+                       sim_available: perf_sim.SimResult | None = None,
+                       sim_busy: perf_sim.SimResult | None = None) -> None:
+    """The event-level model is the prediction: on the link less the run's retransmissions with the idle swarm's
+    traffic charged for the link's busy share (``sim_busy``) when the run measured that traffic, else on the
+    nominal link. Kept beside it: the event model on the nominal link, on the link less all the idle traffic
+    (``sim_available``), the closed form and the wave bound."""
     measured = r["tokens_per_s"]
     if sim_available is not None:
         r["predicted_available_link_tokens_per_s"] = sim_available.tokens_per_s
         r["available_link_error_pct"] = 100 * (sim_available.tokens_per_s - measured) / measured
-    r["predicted_tokens_per_s"] = sim.tokens_per_s
-    r["prediction_error_pct"] = 100 * (sim.tokens_per_s - measured) / measured
+    r["predicted_nominal_tokens_per_s"] = sim.tokens_per_s
+    r["nominal_error_pct"] = 100 * (sim.tokens_per_s - measured) / measured
+    primary = sim if sim_busy is None else sim_busy
+    r["prediction_model"] = ("event model, nominal link" if sim_busy is None else
+                             "event model, link less retransmissions, idle traffic charged by busy share")
+    r["predicted_tokens_per_s"] = primary.tokens_per_s
+    r["prediction_error_pct"] = 100 * (primary.tokens_per_s - measured) / measured
     r["predicted_link_utilisation"] = sim.link_utilisation
     r["predicted_closed_form_tokens_per_s"] = pred.tokens_per_s
     r["closed_form_error_pct"] = 100 * (pred.tokens_per_s - measured) / measured

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from meshnode.perf_sim import SimSpec, SimStage, simulate
+from meshnode.perf_sim import SimSpec, SimStage, simulate, simulate_with_background
 
 T = 100  # tokens per microbatch
 
@@ -130,3 +132,21 @@ def test_anchor_cycle_fetches_stage_by_stage_then_publishes():
     sent = {name: r.link_utilisation["anchor"] * r.sim_time_s * 1000 for name, r in (("d", direct), ("h", dht))}
     assert sent["d"] == pytest.approx(2 * 400, rel=0.01)  # two cycles, 100 + 300 bytes each
     assert sent["h"] == pytest.approx(2 * 800, rel=0.01)
+
+
+def test_background_traffic_costs_only_while_the_link_carries_pipeline_bytes():
+    # comm-bound: 500 B down and 250 B back at 1000 B/s (step 0.75 s); each peer's uplink is busy while it
+    # sends: 2/3 and 1/3 of the time, mean u = 1/2 at any capacity. 200 B/s of background -> the pipeline
+    # keeps 1000 - 0.5 * 200 = 900 B/s: step 750 / 900 s (taking all 200 B/s off would give 750 / 800)
+    comm = _spec([SimStage(0, 0, 500, 0), SimStage(0, 0, 0, 250)])
+    r = simulate_with_background(comm, background_bps=1600)
+    assert r.step_s == pytest.approx(750 / 900, rel=1e-3)
+    assert simulate_with_background(comm, 0).step_s == pytest.approx(simulate(comm).step_s)
+    # compute-bound with small messages: the links are nearly idle, so the background costs almost nothing,
+    # where taking it off the link whole costs more
+    busy = _spec([SimStage(1, 2, 50, 0), SimStage(1, 2, 0, 50)], microbatches=2, bandwidth_bps=800)
+    nominal, bg = simulate(busy), 400
+    elastic = simulate_with_background(busy, bg)
+    whole = simulate(dataclasses.replace(busy, bandwidth_bps=busy.bandwidth_bps - bg))
+    assert whole.tokens_per_s < elastic.tokens_per_s <= nominal.tokens_per_s
+    assert elastic.tokens_per_s > 0.98 * nominal.tokens_per_s
