@@ -42,7 +42,7 @@ def test_variant_overrides_are_valid_configs(variant):
     assert cfg.anchor.enabled == (variant in ("m95_ap", "m95_ap_dp"))
     assert cfg.dp.enabled == (variant == "m95_ap_dp")
     assert (cfg.mask.ratio == 0.95) == variant.startswith("m95")
-    assert cfg.mask.codec == {"topk": "topk", "int8": "int8", "rotq2": "rotq"}.get(variant, "mask")
+    assert cfg.mask.codec == {"topk": "topk", "int8": "int8", "rotq2": "rotq", "rotq4": "rotq"}.get(variant, "mask")
     assert cfg.dp.overlap == (variant == "m95_ap_dp")
     assert cfg.anchor.snapshot == ("dp" if variant == "m95_ap_dp" else "full")  # follows DP where there is DP
     full = bt.variant_overrides(variant, replicas=2, anchor_key="ssh-rsa AAAA test", anchor_snapshot="full")
