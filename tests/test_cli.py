@@ -75,6 +75,7 @@ def test_demo_methods_make_valid_configs_and_unknown_ones_fail(cache_dir):
         over = method_overrides(method, tiny=True, dp_peers=2, anchor=True, anchor_key="k")
         cfg = load_config(TINY, over)
         assert cfg.dp.enabled and cfg.anchor.enabled == (method == "m95")
+        assert cfg.anchor.snapshot == ("dp" if method == "m95" else "full")
         if method.startswith("rotq"):
             assert cfg.mask.codec == "rotq" and cfg.mask.bits == int(method[4:])
     with pytest.raises(ValueError, match="unknown demo method"):

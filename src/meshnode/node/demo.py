@@ -88,7 +88,8 @@ DEMO_METHODS = ("dense", "m95", "rotq4", "rotq2")
 
 def method_overrides(method: str, *, tiny: bool, dp_peers: int, anchor: bool, anchor_key: str) -> list[str]:
     """Config overrides of a demo method: ``dense`` boundaries, ``m95`` (the paper: M95 + anchor prior), or
-    ``rotq4`` / ``rotq2`` (every channel at 4 / 2 bits after a rotation); with DP when ``dp_peers > 1``."""
+    ``rotq4`` / ``rotq2`` (every channel at 4 / 2 bits after a rotation); with DP when ``dp_peers > 1`` (then the
+    anchor takes its weights from the DP log: ``anchor.snapshot = dp``)."""
     if method not in DEMO_METHODS:
         raise ValueError(f"unknown demo method {method!r} (one of {', '.join(DEMO_METHODS)})")
     if method == "dense":
@@ -103,6 +104,8 @@ def method_overrides(method: str, *, tiny: bool, dp_peers: int, anchor: bool, an
     if dp_peers > 1:
         out += ["dp.enabled=true", f"dp.replicas={dp_peers}", "dp.inner_steps=10", "dp.rank=4" if tiny else
                 "dp.rank=32"]
+        if method == "m95" and anchor:  # the anchor follows the DP log instead of fetching weights each cycle
+            out.append("anchor.snapshot=dp")
     return out
 
 
