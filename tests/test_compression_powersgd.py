@@ -174,7 +174,7 @@ def test_dtype_and_shape_preserved():
 
 @pytest.mark.parametrize("quantize", [False, True])
 def test_decode_from_the_averaged_phases_equals_finish(quantize):
-    """Someone who only sees the two averaged phases (the anchor following DP) gets what the replicas got."""
+    """Someone who only sees the round's averages (the anchor following DP) gets what the replicas got."""
     shapes = {"w": (24, 16), "conv": (8, 2, 6), "bias": (16,)}
     states = [PowerSGDState(rank=3, quantize=quantize) for _ in range(2)]
     for rnd in range(3):  # warm-started rounds too
@@ -184,10 +184,16 @@ def test_decode_from_the_averaged_phases_equals_finish(quantize):
         qs = [s.phase_q(p_avg) for s in states]
         q_avg = {n: (qs[0][n] + qs[1][n]) / 2 for n in qs[0]}
         outs = [s.finish(q_avg) for s in states]
-        decoded = powersgd_decode(p_avg, q_avg, shapes)
+        p_hat = {n: orthonormalize(t) if n in q_avg else t for n, t in p_avg.items()}
+        decoded = powersgd_decode(p_hat, q_avg, shapes, rank=3)
         assert set(decoded) == set(shapes) and "bias" not in q_avg
         for n in shapes:
             assert decoded[n].shape == outs[0][n].shape
             torch.testing.assert_close(decoded[n], outs[0][n], rtol=0, atol=1e-6)
-    with pytest.raises(KeyError):
-        powersgd_decode({}, q_avg, shapes)
+    # factors of another rank, a missing or unknown factor, a dense tensor cut short: refused
+    bad = [({**p_hat, "w": torch.zeros(24, 5)}, q_avg), (p_hat, {**q_avg, "w": torch.zeros(16, 5)}),
+           ({k: v for k, v in p_hat.items() if k != "w"}, q_avg), ({**p_hat, "x": torch.zeros(3)}, q_avg),
+           ({**p_hat, "bias": torch.zeros(15)}, q_avg), (p_hat, {**q_avg, "bias": torch.zeros(16, 3)})]
+    for p, q in bad:
+        with pytest.raises(ValueError):
+            powersgd_decode(p, q, shapes, rank=3)

@@ -137,7 +137,7 @@ def test_anchor_follows_dp_instead_of_fetching_weights(swarm_factory, tmp_path, 
     sw = swarm_factory([
         "mask.ratio=0.95", "anchor.enabled=true", "anchor.period=5", "anchor.snapshot=\"dp\"", "spectral.rank=4",
         f"train.steps={steps}", "dp.enabled=true", "dp.replicas=2", "dp.inner_steps=3", "dp.rank=4",
-        "dp.round_timeout=10.0", f"anchor.allowed_keys=[{json.dumps(anchor_key)}]",
+        "dp.round_timeout=10.0", "dp.overlap=true", f"anchor.allowed_keys=[{json.dumps(anchor_key)}]",
     ])
     sw.start("s1a", "--stage", "1")
     sw.start("s1b", "--stage", "1", wait=False)

@@ -43,6 +43,7 @@ redrawn from the PRF so the rank is not lost for good.
 from __future__ import annotations
 
 import logging
+import math
 import zlib
 from collections.abc import Mapping
 
@@ -241,23 +242,39 @@ class PowerSGDState:
 
 
 def powersgd_decode(
-    p_avg: Mapping[str, Tensor], q_avg: Mapping[str, Tensor], shapes: Mapping[str, torch.Size | tuple[int, ...]]
+    p_hat: Mapping[str, Tensor], q_avg: Mapping[str, Tensor], shapes: Mapping[str, torch.Size | tuple[int, ...]],
+    rank: int,
 ) -> dict[str, Tensor]:
-    """The averaged approximation of a round from its two averaged phases alone (float32).
+    """The averaged approximation of a round from what its two averages left behind (float32).
 
-    What :meth:`PowerSGDState.finish` returns, ``orthonormalise(P_avg) Q_avg^T`` per compressed tensor and
-    the average itself for the others, computed by someone who holds no state of the round: a peer that
-    follows the DP rounds without taking part (the anchor with ``anchor.snapshot = "dp"``).
+    ``p_hat``: per compressed tensor the orthonormalised averaged P (what :meth:`PowerSGDState.phase_q`
+    computes, ``orthonormalize(P_avg)``), per uncompressed tensor its average; ``q_avg``: the averaged Q of the
+    compressed tensors. Returns what :meth:`PowerSGDState.finish` returns, ``P^ Q_avg^T`` or the average,
+    computed by someone who holds no state of the round: a peer that follows the DP rounds without taking
+    part (the anchor with ``anchor.snapshot = "dp"``). Every factor must have the shape the round gives it
+    (``(m, r)`` and ``(n, r)`` with ``r = compressed_rank(shape, rank)``), else ValueError.
     """
     out: dict[str, Tensor] = {}
+    extra = set(p_hat) - set(shapes) or set(q_avg) - set(shapes)
+    if extra:
+        raise ValueError(f"factors of unknown tensors: {sorted(extra)[:3]}")
     for name, shape in shapes.items():
-        if name not in p_avg:
-            raise KeyError(f"averaged P is missing {name!r}")
-        p = p_avg[name].to(torch.float32)
-        if name in q_avg:
-            out[name] = (orthonormalize(p) @ q_avg[name].to(torch.float32).T).reshape(shape)
-        else:
-            out[name] = p.reshape(shape).clone()
+        if name not in p_hat:
+            raise ValueError(f"no factor for {name!r}")
+        p = p_hat[name]
+        numel = math.prod(shape)
+        r = compressed_rank(shape, rank)
+        if r == 0:
+            if name in q_avg or p.numel() != numel:
+                raise ValueError(f"{name!r}: expected the whole tensor ({numel} values), got {tuple(p.shape)}")
+            out[name] = p.to(torch.float32).reshape(shape).clone()
+            continue
+        m = int(shape[0])
+        q = q_avg.get(name)
+        if q is None or tuple(p.shape) != (m, r) or tuple(q.shape) != (numel // m, r):
+            raise ValueError(f"{name!r}: factors must be ({m}, {r}) and ({numel // m}, {r}), got "
+                             f"{tuple(p.shape)} and {None if q is None else tuple(q.shape)}")
+        out[name] = (p.to(torch.float32) @ q.to(torch.float32).T).reshape(shape)
     return out
 
 

@@ -36,7 +36,7 @@ from ..protocol.limits import Limits
 from ..protocol.messages import tensor_to_bytes
 from ..protocol.records import PeerRecord, cycle_digest, factors_digest, prior_value
 from ..protocol.servicer import stream_rpc
-from .dp import DPFollower
+from .dp import DPFollower, log_length
 from .host import weights_from_chunks
 from .priors import HEADER_NAME
 from .status import driver_step
@@ -81,7 +81,7 @@ class AnchorRunner:
         self.followers: list[DPFollower] = []
         if cfg.anchor.snapshot == "dp":
             self.followers = [DPFollower(dict(w.module.named_parameters()), lr=cfg.dp.outer_lr,
-                                         momentum=cfg.dp.outer_momentum) for w in self.workers]
+                                         momentum=cfg.dp.outer_momentum, rank=cfg.dp.rank) for w in self.workers]
         tok = make_tokenizer(cfg.model, hf_tok)
         corpus = prepare_corpus(cfg.data, tok, self.node.opts.cache_dir)
         batch = cfg.anchor.batch_size or cfg.train.batch_size
@@ -127,17 +127,27 @@ class AnchorRunner:
                 await asyncio.wait_for(node.stopping.wait(), 1.0)
         await self._announce("offline")
 
-    async def _stream(self, peer_id: str, method: str, request: dict) -> list[dict]:
-        chunks = []
+    async def _stream(self, peer_id: str, method: str, request: dict, max_total: int | None = None) -> list[dict]:
+        """Every frame of a streamed reply; more than ``max_total`` bytes of tensor data in all is refused."""
+        chunks, total = [], 0
         async for item in stream_rpc(
             self.node.swarm.p2p, PeerID.from_base58(peer_id), f"{self.node.run_id}.{method}",
             {"run": self.node.run_id, **request}, max_bytes=self.limits.max_message_bytes,
             timeout=self.limits.rpc_timeout,
         ):
+            pieces = item.get("pieces")
+            total += sum(len(p[3]) for p in pieces if isinstance(p, list) and len(p) == 5
+                         and isinstance(p[3], bytes)) if isinstance(pieces, list) else 0
+            if max_total is not None and total > max_total:
+                raise ValueError(f"{method}: reply larger than {max_total} bytes")
             chunks.append(item)
         if not chunks:
             raise RuntimeError(f"{method}: empty reply")
         return chunks
+
+    def _stage_bytes(self, stage: int) -> int:
+        """Bytes of one stage's parameters in float32: the most any entry or state of it can honestly take."""
+        return sum(p.numel() * 4 for p in self.workers[stage].module.parameters())
 
     def _count(self, tensors: dict[str, torch.Tensor]) -> None:
         self.node.counter.add("anchor", sum(t.numel() * t.element_size() for t in tensors.values()))
@@ -148,7 +158,8 @@ class AnchorRunner:
         last = None
         for peer in swarm.candidates(stage)[:3]:
             try:
-                chunks = await self._stream(peer.peer_id, "rpc_get_weights", {"dtype": "bfloat16"})
+                chunks = await self._stream(peer.peer_id, "rpc_get_weights", {"dtype": "bfloat16"},
+                                            max_total=self._stage_bytes(stage))  # bf16 weights: half of this
                 weights = weights_from_chunks(chunks)
                 self._count(weights)
                 return weights, int(chunks[-1].get("opt_step", 0))
@@ -157,8 +168,10 @@ class AnchorRunner:
                 swarm.avoid(peer.peer_id)
         raise RuntimeError(f"stage {stage}: no peer gave its weights ({last})")
 
-    async def _dp_log(self, peer_id: str, since: int, epoch: str | None) -> tuple[list, dict]:
-        chunks = await self._stream(peer_id, "rpc_dp_log", {"since": since, "epoch": epoch})
+    async def _dp_log(self, stage: int, peer_id: str, since: int, epoch: str | None) -> tuple[list, dict]:
+        # at most a whole log of entries, each smaller than the stage's weights in bf16
+        cap = log_length(self.cfg) * self._stage_bytes(stage) // 2
+        chunks = await self._stream(peer_id, "rpc_dp_log", {"since": since, "epoch": epoch}, max_total=cap)
         by_seq: dict[int, list[dict]] = {}
         for c in chunks:
             if c.get("pieces"):
@@ -169,41 +182,37 @@ class AnchorRunner:
         entries = [(seq, weights_from_chunks(cs)) for seq, cs in sorted(by_seq.items())]
         for _, tensors in entries:
             self._count(tensors)
-        meta = chunks[-1]
-        if not isinstance(meta.get("dp_epoch"), str):
-            raise ValueError("DP log reply without an epoch")
-        return entries, meta
+        return entries, _checked_meta(chunks[-1])
 
     async def _follow(self, stage: int) -> int:
         """``anchor.snapshot = "dp"``: bring the stage's global weights up to date from a fast peer's DP log."""
         swarm = self.node.swarm
         fol = self.followers[stage]
-        peers = swarm.candidates(stage)[:3]
-        peers.sort(key=lambda p: p.peer_id != fol.source)  # the peer already followed first
+        peers = sorted(swarm.candidates(stage), key=lambda p: p.peer_id != fol.source)[:3]  # the followed one first
         last = None
         for peer in peers:
             try:
                 ask = fol.since(peer.peer_id)
                 meta: dict = {}
                 if ask is not None:
-                    entries, meta = await self._dp_log(peer.peer_id, *ask)
+                    entries, meta = await self._dp_log(stage, peer.peer_id, *ask)
                 if ask is None or meta.get("gap"):
-                    chunks = await self._stream(peer.peer_id, "rpc_get_weights",
-                                                {"what": "outer", "dtype": "bfloat16"})
+                    outer = {"what": "outer", "dtype": "bfloat16"}  # start + velocity in bf16: the f32 size
+                    chunks = await self._stream(peer.peer_id, "rpc_get_weights", outer,
+                                                max_total=self._stage_bytes(stage))
+                    head = _checked_meta(chunks[-1])
                     state = weights_from_chunks(chunks)
                     self._count(state)
-                    head = chunks[-1]
-                    await asyncio.to_thread(fol.load, peer.peer_id, str(head.get("dp_epoch")),
-                                            int(head.get("dp_seq", 0)), state)
+                    await asyncio.to_thread(fol.load, peer.peer_id, head["dp_epoch"], head["dp_seq"], state)
                     logger.info("anchor: stage %d follows DP of %s from its outer state (entry %d)", stage,
                                 peer.peer_id[-8:], fol.seq)
-                    entries, meta = await self._dp_log(peer.peer_id, fol.seq, fol.epoch)
+                    entries, meta = await self._dp_log(stage, peer.peer_id, fol.seq, fol.epoch)
                     if meta.get("gap"):
                         raise RuntimeError("DP log gap right after loading the outer state")
                 n = await asyncio.to_thread(fol.replay, peer.peer_id, meta["dp_epoch"], entries)
                 logger.info("anchor: stage %d replayed %d DP outer steps of %s (now at entry %d)", stage, n,
                             peer.peer_id[-8:], fol.seq)
-                return int(meta.get("opt_step", 0))
+                return meta["opt_step"]
             except Exception as exc:
                 last = exc
                 logger.warning("anchor: following DP of stage %d via %s failed: %r", stage, peer.peer_id[-8:], exc)
@@ -258,6 +267,17 @@ class AnchorRunner:
         self.cycles += 1
         self.prior_step = min(steps)
         logger.info("anchor cycle %d: published priors of steps %s", self.cycles, steps)
+
+
+def _checked_meta(frame: dict) -> dict:
+    """The fields of a DP log or outer-state reply the anchor acts on, type-checked before anything is applied."""
+    ints = {k: frame.get(k) for k in ("opt_step", "dp_seq")}
+    if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in ints.values()):
+        raise ValueError(f"DP reply: opt_step and dp_seq must be integers >= 0, got {ints}")
+    epoch = frame.get("dp_epoch")
+    if not isinstance(epoch, str) or not 0 < len(epoch) <= 64:
+        raise ValueError("DP reply without a valid epoch")
+    return {**ints, "dp_epoch": epoch, "gap": bool(frame.get("gap", False))}
 
 
 __all__ = ["ANCHOR_SEED_OFFSET", "AnchorRunner"]

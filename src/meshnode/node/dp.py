@@ -35,14 +35,17 @@ Two schedules:
 Bytes on the ``dp`` axis: what the butterfly all-reduce sends per round, ``2 (g-1)/g`` times the
 buffer for a group of g peers.
 
-The DP log (``anchor.snapshot = "dp"``): each outer step this peer applies is kept as the sync's two
-averaged phases (P and Q, fp16), numbered 1, 2, ... in the order applied, the last ``DP_LOG_ENTRIES`` of
-them, under a random ``epoch`` that names this log. The anchor (:class:`DPFollower`) replays them on its
-own copy of the start weights instead of fetching every stage's weights each cycle: both began from the
-same pretrained weights, and the outer step is a function of the averaged update alone, so the anchor
-holds this peer's global weights for the price of one replica's share of each sync (fp16). A follower
-that cannot continue the log (it is new to this peer, the peer restarted or loaded its state, or the
-entries it needs were dropped) first loads the peer's outer state (start weights and momentum, bf16) once.
+The DP log (``anchor.snapshot = "dp"``): each outer step this peer applies is kept as what the sync's
+two averages leave behind (the orthonormalised averaged P and the averaged Q of each compressed tensor,
+the average of the others; bf16, which has fp32's range, so small factors do not underflow as in
+fp16), numbered 1, 2, ... in the order applied, the last :func:`log_length` of them, under a random
+``epoch`` that names this log. The anchor (:class:`DPFollower`) replays them on its own copy of the
+start weights instead of fetching every stage's weights each cycle: both began from the same
+pretrained weights, and the outer step is a function of the averaged update alone, so the anchor holds
+this peer's global weights (to bf16 rounding of each update) for about one replica's share of each
+sync. A follower that cannot continue the log (it is new to this peer, the peer restarted or loaded its
+state, or the entries it needs were dropped) first loads the peer's outer state (start weights and
+momentum, bf16) once.
 """
 
 from __future__ import annotations
@@ -57,23 +60,31 @@ from dataclasses import dataclass
 
 import torch
 
-from ..compression import PowerSGDState, compressed_rank, powersgd_decode
+from ..compression import PowerSGDState, compressed_rank, orthonormalize, powersgd_decode
 from ..optim import OuterNesterov, fragments, fragments_due, sync_schedule
 from ..protocol import keys
 
 logger = logging.getLogger(__name__)
 
-DP_LOG_ENTRIES = 16  # outer steps a fast peer keeps for the anchor (anchor.snapshot = "dp")
+DP_LOG_ENTRIES = 16  # the least number of outer steps a fast peer keeps for the anchor (anchor.snapshot = "dp")
+LOG_DTYPE = torch.bfloat16
+
+
+def log_length(cfg) -> int:
+    """Entries a fast peer keeps: three anchor cycles' worth of syncs (``period * fragments / H`` per cycle), at
+    least ``DP_LOG_ENTRIES``, so a late cycle still finds every entry it needs."""
+    per_cycle = -(-cfg.anchor.period * max(1, cfg.dp.fragments) // max(1, cfg.dp.inner_steps))
+    return max(DP_LOG_ENTRIES, 3 * per_cycle + 2)
 
 
 @dataclass(frozen=True, slots=True)
 class DPLogEntry:
-    """One applied outer step: the sync's averaged phases, enough to redo it (:func:`powersgd_decode`)."""
+    """One applied outer step, enough to redo it (:func:`powersgd_decode`)."""
 
     seq: int
     fragment: int
-    p: dict[str, torch.Tensor]  # fp16; every tensor of the fragment (the uncompressed ones whole)
-    q: dict[str, torch.Tensor]  # fp16; the compressed tensors only
+    p: dict[str, torch.Tensor]  # bf16; orthonormalised averaged P (compressed tensors), the average (others)
+    q: dict[str, torch.Tensor]  # bf16; the averaged Q of the compressed tensors
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {**{f"p/{n}": t for n, t in self.p.items()}, **{f"q/{n}": t for n, t in self.q.items()}}
@@ -108,7 +119,7 @@ class SwarmDP:
         self.group_sizes: list[int] = []
         anchor = host.cfg.anchor
         self.keep_log = anchor.enabled and anchor.snapshot == "dp"
-        self.log: deque[DPLogEntry] = deque(maxlen=DP_LOG_ENTRIES)
+        self.log: deque[DPLogEntry] = deque(maxlen=log_length(host.cfg))
         self.log_seq = 0  # outer steps applied (the last entry's number)
         self.log_epoch = secrets.token_hex(8)
         self.log_base = "pretrained"  # "loaded" once the state came from a checkpoint or a peer
@@ -171,7 +182,10 @@ class SwarmDP:
         """Number the outer step just applied and, when the anchor follows DP, keep its phases."""
         self.log_seq += 1
         if self.keep_log:
-            p, q = ({n: t.detach().to(torch.float16, copy=True) for n, t in d.items()} for d in phases)
+            p_avg, q_avg = phases
+            p = {n: (orthonormalize(t) if n in q_avg else t).detach().to(LOG_DTYPE, copy=True)
+                 for n, t in p_avg.items()}
+            q = {n: t.detach().to(LOG_DTYPE, copy=True) for n, t in q_avg.items()}
             self.log.append(DPLogEntry(self.log_seq, f, p, q))
 
     def log_since(self, since: int, epoch: str | None) -> list[DPLogEntry] | None:
@@ -283,8 +297,9 @@ class DPFollower:
     raises ValueError before any weight changes.
     """
 
-    def __init__(self, params: dict[str, torch.Tensor], *, lr: float, momentum: float):
+    def __init__(self, params: dict[str, torch.Tensor], *, lr: float, momentum: float, rank: int):
         self.params = params
+        self.rank = rank
         self.outer = OuterNesterov(params, lr=lr, momentum=momentum)
         self.source: str | None = None
         self.epoch: str | None = None  # None: the pretrained weights, no log followed yet
@@ -305,15 +320,13 @@ class DPFollower:
         q = {k[2:]: v for k, v in tensors.items() if k.startswith("q/")}
         if len(p) + len(q) != len(tensors) or not p:
             raise ValueError("DP log entry: unexpected tensor names")
-        unknown = [n for n in p if n not in self.params] + [n for n in q if n not in p]
+        unknown = [n for n in p if n not in self.params]
         if unknown:
             raise ValueError(f"DP log entry names tensors this stage does not have: {unknown[:3]}")
-        if any(not bool(torch.isfinite(t).all()) for t in tensors.values()):
-            raise ValueError("DP log entry holds non-finite values")
-        try:
-            avg = powersgd_decode(p, q, {n: self.params[n].shape for n in p})
-        except RuntimeError as exc:  # factor shapes that do not multiply out to the parameter's
-            raise ValueError(f"DP log entry: inconsistent factor shapes ({exc})") from exc
+        if any(not t.is_floating_point() or not bool(torch.isfinite(t).all()) for t in tensors.values()):
+            raise ValueError("DP log entry holds non-float or non-finite values")
+        # every factor's shape is checked against this stage's parameter and dp.rank before any arithmetic
+        avg = powersgd_decode(p, q, {n: tuple(self.params[n].shape) for n in p}, self.rank)
         if any(not bool(torch.isfinite(t).all()) for t in avg.values()):
             raise ValueError("DP log entry decodes to non-finite values")
         return avg
@@ -321,7 +334,8 @@ class DPFollower:
     @torch.no_grad()
     def replay(self, source: str, epoch: str, entries: list[tuple[int, dict[str, torch.Tensor]]]) -> int:
         """Apply ``(seq, tensors)`` entries of ``source``'s log ``epoch``; every entry is checked first."""
-        expect = self.seq if source == self.source or (self.epoch is None and self.loads == 0) else None
+        fresh = self.epoch is None and self.loads == 0
+        expect = self.seq if fresh or (source == self.source and epoch == self.epoch) else None
         avgs = []
         for seq, tensors in entries:
             if expect is None or seq != expect + 1:
@@ -354,4 +368,4 @@ class DPFollower:
         self.loads += 1
 
 
-__all__ = ["DP_LOG_ENTRIES", "DPFollower", "DPLogEntry", "SwarmDP"]
+__all__ = ["DP_LOG_ENTRIES", "DPFollower", "DPLogEntry", "SwarmDP", "log_length"]
