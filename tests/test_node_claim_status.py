@@ -243,3 +243,18 @@ def test_a_partial_read_updates_the_snapshot_without_dropping_peers():
     assert out["a"].step == 4
     stale = [peer("a", 0, updated=11.0, expiration=105.0, step=9)]  # an older announcement than the one held
     assert {r.peer_id: r.step for r in merge_peers(list(out.values()), stale, now=60.0)}["a"] == 4
+
+
+def test_a_full_read_that_finds_nothing_keeps_the_live_peers():
+    """On a congested link the holders may not answer a full read in time: the snapshot keeps every record
+    that has not expired (it used to be replaced by the empty answer: "no peer online" with all peers alive)."""
+    import asyncio
+
+    from hivemind.utils import get_dht_time
+
+    from meshnode.node import swarm as swarm_mod
+
+    client = swarm_mod.SwarmClient(_FakeDHT(), "run", identity=None)
+    now = get_dht_time()
+    client.peers = [peer("a", 0, updated=1.0, expiration=now + 100), peer("b", 1, updated=1.0, expiration=now - 1)]
+    assert [p.peer_id for p in asyncio.run(client.refresh(full=True))] == ["a"]  # b's record expired

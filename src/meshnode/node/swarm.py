@@ -131,9 +131,9 @@ class SwarmClient:
         ``num_replicas`` holders sends the whole dictionary); ``full=False`` takes the first holder's copy,
         which is this node's own storage whenever it is a holder (no traffic at all). The default is a full
         read every ``full_refresh_period`` seconds and first-holder reads in between. A first-holder copy
-        can lack records (a peer that joined late holds none stored before it came), so it only updates
-        the snapshot: each peer's newest record wins and records leave when their DHT expiration passes
-        (what a full read does for a peer that stopped announcing). Before this, each 1 s refresh was a
+        can lack records (a peer that joined late holds none stored before it came), and so can a full read
+        whose holders did not answer in time, so both only update the snapshot: each peer's newest record
+        wins and records leave when their DHT expiration passes. Before this, each 1 s refresh was a
         full read: on a time-scaled 0.37 Mbit/s link that control traffic took 20-40 % of every uplink."""
         async with self._refresh_lock:
             now = time.monotonic()
@@ -142,9 +142,10 @@ class SwarmClient:
             found = await self.dht.get(keys.peers_key(self.run_id), latest=full, return_future=True)
             if full:
                 self._last_full = now
-                self.peers = parse_peers(found)
-            else:
-                self.peers = merge_peers(self.peers, parse_peers(found), get_dht_time())
+            # a full read merges too: on a congested link some holders (or all) do not answer in time, and
+            # replacing the snapshot with what came back emptied it ("no peer online") while every peer was
+            # alive (docs/throughput.md, 2026-12-03 fourth session); records still leave when they expire
+            self.peers = merge_peers(self.peers, parse_peers(found), get_dht_time())
             self.snapshot_time = time.monotonic()
             return self.peers
 
