@@ -258,12 +258,3 @@ def test_a_full_read_that_finds_nothing_keeps_the_live_peers():
     now = get_dht_time()
     client.peers = [peer("a", 0, updated=1.0, expiration=now + 100), peer("b", 1, updated=1.0, expiration=now - 1)]
     assert [p.peer_id for p in asyncio.run(client.refresh(full=True))] == ["a"]  # b's record expired
-
-
-def test_the_anchor_paces_its_cycles_by_the_last_ones_length():
-    from meshnode.node.anchor import ANCHOR_MAX_BUSY_SHARE, next_cycle_not_before
-
-    assert ANCHOR_MAX_BUSY_SHARE == 0.25
-    assert next_cycle_not_before(100.0, 130.0) == 130.0 + 90.0  # busy 30 s of every 120 s at the most
-    assert next_cycle_not_before(100.0, 100.5, share=0.5) == 101.0
-    assert next_cycle_not_before(100.0, 99.0) == 99.0  # a clock that went backwards adds no wait

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 
 import torch
 from hivemind.p2p import PeerID
@@ -45,20 +44,6 @@ from .status import driver_step
 logger = logging.getLogger(__name__)
 
 ANCHOR_SEED_OFFSET = 1_000_003  # the mesh anchor's offset (meshnode.mesh.anchor)
-# The anchor is busy (following, its pass, publishing) at most this share of the time: after a cycle that
-# took T seconds the next one starts no sooner than T (1 / share - 1) later, whatever anchor.period says.
-ANCHOR_MAX_BUSY_SHARE = 0.25
-
-
-def next_cycle_not_before(started: float, ended: float, share: float = ANCHOR_MAX_BUSY_SHARE) -> float:
-    """When the next anchor cycle may start at the earliest (monotonic seconds).
-
-    The fast circuit never waits for the anchor, but it shares the links with it: publishing the priors of
-    every stage to the DHT's holders is a burst of several times the factors' size. On a slow link a cycle
-    that is due every ``anchor.period`` steps can keep the anchor's and the holders' links busy all the
-    time; the peers' own announcements then miss their expiry and the swarm loses sight of itself (the
-    time-scaled benchmark, 2026-12-03). Pacing by the last cycle's length bounds that share."""
-    return ended + max(0.0, ended - started) * (1.0 / share - 1.0)
 
 
 class AnchorRunner:
@@ -68,7 +53,6 @@ class AnchorRunner:
         self.cycles = 0
         self.prior_step: int | None = None
         self.next_at = self.cfg.anchor.period
-        self.not_before = 0.0  # monotonic: pacing (next_cycle_not_before)
 
     def _build(self):
         from ..data import BatchSource, make_tokenizer, prepare_corpus
@@ -133,10 +117,8 @@ class AnchorRunner:
         while not node.stopping.is_set():
             try:
                 peers = await node.swarm.refresh()
-                if driver_step(peers) >= self.next_at and time.monotonic() >= self.not_before:
-                    started = time.monotonic()
+                if driver_step(peers) >= self.next_at:
                     await self.cycle()
-                    self.not_before = next_cycle_not_before(started, time.monotonic())
                     self.next_at = driver_step(node.swarm.peers) + self.cfg.anchor.period
                     await self._announce("online")
             except Exception as exc:
@@ -298,4 +280,4 @@ def _checked_meta(frame: dict) -> dict:
     return {**ints, "dp_epoch": epoch, "gap": bool(frame.get("gap", False))}
 
 
-__all__ = ["ANCHOR_MAX_BUSY_SHARE", "ANCHOR_SEED_OFFSET", "AnchorRunner", "next_cycle_not_before"]
+__all__ = ["ANCHOR_SEED_OFFSET", "AnchorRunner"]
