@@ -376,7 +376,8 @@ def fit_message_overhead(result: dict, variant: str, hi_s: float = 2.0) -> float
 # Calibration: this machine's stage compute, payload sizes
 
 
-def calibrate(bench: BenchModel, reps: int = 5) -> tuple[list[float], WireSizes, dict[str, int]]:
+def calibrate(bench: BenchModel, reps: int = 5,
+              spectral_rank: int = 8) -> tuple[list[float], WireSizes, dict[str, int]]:
     """Forward + backward seconds per microbatch of each stage (1 thread, median of ``reps`` after one warm-up),
     dense payload sizes, and per-stage parameter counts; in this process, with the peers' code."""
     import tomllib
@@ -423,7 +424,7 @@ def calibrate(bench: BenchModel, reps: int = 5) -> tuple[list[float], WireSizes,
         log.append((p_sz + q_sz) * 2.0)  # the same factors in fp16, as the anchor pulls them
         targets = [t for n, t in w.module.named_parameters()
                    if t.dim() == 2 and any(k in n for k in cfg.spectral.targets)]
-        prior.append(sum(min(8, *t.shape) * (t.shape[0] + t.shape[1] + 1) * 2.0 for t in targets))
+        prior.append(sum(min(spectral_rank, *t.shape) * (t.shape[0] + t.shape[1] + 1) * 2.0 for t in targets))
         snap.append(sum(t.numel() * 2.0 for t in w.module.state_dict().values() if t.is_floating_point()))
     sizes = WireSizes(pp_fwd=0.0, pp_bwd=0.0, dp_per_sync=dp, prior_per_cycle=prior, snapshot_per_cycle=snap,
                       dp_log_per_sync=log)
@@ -516,7 +517,7 @@ def reshape_tbf(net, rate_mbit: float, delay_ms: float, mtu: int = 1500) -> dict
 def run_variant(net, variant: str, bench: BenchModel, replicas: int, workdir: Path, cache_dir: Path, *,
                 warmup_s: float, window_s: float, pin: bool, anchor_period: int, dp_inner_steps: int,
                 dp_overlap: bool = True, min_steps: int = 0, max_window_s: float | None = None,
-                anchor_snapshot: str = "dp",
+                anchor_snapshot: str = "dp", spectral_rank: int = 8,
                 idle_s: float = 0.0) -> dict:
     """One fresh swarm of ``variant``; measured over ``window_s`` after ``warmup_s``, extended (up to
     ``max_window_s``) until every driver has ``min_steps`` steps in its window.
@@ -536,7 +537,7 @@ def run_variant(net, variant: str, bench: BenchModel, replicas: int, workdir: Pa
     anchor_key = keys.public_key_string(keys.load_or_create_identity(anchor_identity))
     overrides = variant_overrides(variant, replicas=replicas, anchor_key=anchor_key, anchor_period=anchor_period,
                                   dp_inner_steps=dp_inner_steps, dp_overlap=dp_overlap,
-                                  anchor_snapshot=anchor_snapshot)
+                                  anchor_snapshot=anchor_snapshot, spectral_rank=spectral_rank)
     if idle_s > 0:
         overrides.append(f"train.steps={IDLE_DRIVER_STEPS}")
     with_anchor = variant in ("m95_ap", "m95_ap_dp")
@@ -862,6 +863,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="first measure the idle swarm's own traffic (DHT) for this long; a second event-model "
                          "prediction takes it, and each variant's measured retransmissions, off the link (0: skip)")
     ap.add_argument("--anchor-period", type=int, default=10)
+    ap.add_argument("--spectral-rank", type=int, default=8, help="rank of the anchor's published priors")
     ap.add_argument("--dp-inner-steps", type=int, default=10)
     ap.add_argument("--pin", action="store_true", help="taskset peer i to core i mod ncores")
     ap.add_argument("--anchor-snapshot", choices=("dp", "full"), default="dp",
@@ -909,7 +911,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = BenchModel(hidden=args.hidden, heads=max(1, args.hidden // 64), kv_heads=max(1, args.hidden // 128),
                        intermediate=int(args.hidden * 2.5) // 64 * 64)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    compute, sizes, params = calibrate(bench)
+    compute, sizes, params = calibrate(bench, spectral_rank=args.spectral_rank)
     slowest = max(range(bench.stages), key=lambda s: compute[s])
     scale = time_scale(compute[slowest], bench.stage_flops(slowest), args.bandwidth, args.delay_ms,
                        gpu_flops=args.gpu_tflops * 1e12, utilisation=args.gpu_util)
@@ -955,7 +957,7 @@ def main(argv: list[str] | None = None) -> int:
                                   window_s=window, pin=args.pin, anchor_period=args.anchor_period,
                                   dp_inner_steps=args.dp_inner_steps, dp_overlap=not args.dp_blocking,
                                   min_steps=args.min_steps, max_window_s=args.max_window_s,
-                                  anchor_snapshot=args.anchor_snapshot)
+                                  anchor_snapshot=args.anchor_snapshot, spectral_rank=args.spectral_rank)
             except Exception as exc:  # one failed variant must not lose the others
                 logger.error("%s failed: %s", v, exc)
                 results[v] = {"error": str(exc)}
