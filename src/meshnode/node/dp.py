@@ -307,11 +307,15 @@ class DPFollower:
         self.replayed = 0  # outer steps replayed in total
         self.loads = 0  # outer states loaded in full
 
+    @property
+    def _fresh(self) -> bool:  # still at the pretrained weights: no log followed, no state loaded
+        return self.epoch is None and self.loads == 0
+
     def since(self, source: str) -> tuple[int, str | None] | None:
         """What to ask ``source`` for: the next entries of the followed log, ``(0, None)`` (from the pretrained
         weights) when nothing was followed yet, or None when ``source``'s outer state must be loaded first (a
         different peer's log cannot continue ours)."""
-        if self.epoch is None and self.loads == 0:
+        if self._fresh:
             return 0, None
         return (self.seq, self.epoch) if source == self.source else None
 
@@ -334,8 +338,7 @@ class DPFollower:
     @torch.no_grad()
     def replay(self, source: str, epoch: str, entries: list[tuple[int, dict[str, torch.Tensor]]]) -> int:
         """Apply ``(seq, tensors)`` entries of ``source``'s log ``epoch``; every entry is checked first."""
-        fresh = self.epoch is None and self.loads == 0
-        expect = self.seq if fresh or (source == self.source and epoch == self.epoch) else None
+        expect = self.seq if self._fresh or (source == self.source and epoch == self.epoch) else None
         avgs = []
         for seq, tensors in entries:
             if expect is None or seq != expect + 1:
