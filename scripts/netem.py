@@ -153,6 +153,7 @@ class Measurement:
     delay_ms: float
     loss_pct: float
     offloads: bool
+    bins_100ms: list[int] = dataclasses.field(default_factory=list)  # bytes received per 100 ms
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -476,7 +477,7 @@ class EmulatedNetwork:
             src=src, dst=dst, mbit_per_s=result["bytes"] * 8 / result["seconds"] / 1e6, bytes=result["bytes"],
             seconds=result["seconds"], rtt_ms=result["rtt_ms_median"], rtt_ms_min=result["rtt_ms_min"],
             ping_rtt_ms=ping_rtt, congestion_control=result["congestion_control"], rate_mbit=cfg.rate_mbit,
-            delay_ms=cfg.delay_ms, loss_pct=cfg.loss_pct, offloads=cfg.offloads,
+            delay_ms=cfg.delay_ms, loss_pct=cfg.loss_pct, offloads=cfg.offloads, bins_100ms=result["bins_100ms"],
         )
 
 
@@ -586,14 +587,19 @@ def _sink_main(bind: str, port: int, cc: str | None) -> None:
         bulk, _ = server.accept()
         with bulk:
             total, first_n, first, last = 0, 0, 0.0, 0.0
+            bins: list[int] = []  # bytes per 100 ms after the first chunk: shows start-up and stalls
             buf = bytearray(1 << 20)
             while n := bulk.recv_into(buf):
                 last = time.monotonic()
                 if not first_n:
                     first, first_n = last, n
+                    continue
+                k = int((last - first) * 10)
+                bins.extend([0] * (k + 1 - len(bins)))
+                bins[k] += n
                 total += n
             # The first chunk's arrival starts the clock, so its bytes do not count.
-            bulk.sendall(json.dumps({"bytes": total - first_n, "seconds": max(last - first, 1e-9)}).encode())
+            bulk.sendall(json.dumps({"bytes": total, "seconds": max(last - first, 1e-9), "bins_100ms": bins}).encode())
 
 
 def _source_main(host: str, port: int, seconds: float, rtt_probes: int, cc: str | None) -> None:
