@@ -108,7 +108,7 @@ class _Found:
 class _FakeReaderNode:
     """What PriorReader touches of a fast peer: the DHT (a dict of keys), the optimizer, the step."""
 
-    def __init__(self, owner_key, shapes):
+    def __init__(self, owner_key, shapes, rank=0):
         from types import SimpleNamespace
 
         self.run_id, self.stage, self.prior_step = "run", 1, None
@@ -128,10 +128,11 @@ class _FakeReaderNode:
 
         opt = SimpleNamespace(filters=dict.fromkeys(shapes), params={n: torch.zeros(*s) for n, s in shapes.items()},
                               push_prior_factors=lambda factors, step: self.pushed.append(step))
-        self.swarm = SimpleNamespace(get_key=get_key)
-        self.host = SimpleNamespace(worker=SimpleNamespace(optimizer=opt), run=run, opt_step=6)
+        self.swarm = SimpleNamespace(get_key=get_key, p2p=None)
+        self.host = SimpleNamespace(worker=SimpleNamespace(optimizer=opt), run=run, opt_step=6,
+                                    limits=SimpleNamespace(max_message_bytes=1 << 20, rpc_timeout=5.0))
         self.cfg = SimpleNamespace(anchor=SimpleNamespace(allowed_keys=[keys.public_key_string(owner_key)],
-                                                          max_staleness=20))
+                                                          max_staleness=20), spectral=SimpleNamespace(rank=rank))
 
     def publish(self, entries):
         head = keys.prior_key(self.run_id, self.stage)
@@ -168,6 +169,105 @@ def test_prior_reader_reads_the_factors_once_per_cycle():
     assert asyncio.run(reader.poll()) is None and node.reads == [head, data] and node.latest == [True, False]
     node.publish({"b": half["b"]})
     assert asyncio.run(reader.poll()) == 9 and node.pushed == [5, 9] and node.latest[-1] is True
+
+
+ANCHOR_PEER = "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"
+
+
+def test_prior_reader_reads_the_factors_from_the_anchor(monkeypatch):
+    """``anchor.priors = rpc``: the header names the anchor; the factors come from it, checked against the header."""
+    import asyncio
+
+    from meshnode.node import priors as priors_mod
+
+    shapes = {"a": (8, 4), "b": (4, 6)}
+    node = _FakeReaderNode(keys.load_or_create_identity(None), shapes, rank=2)
+    reader = PriorReader(node)
+    assert reader.max_factor_bytes == {"a": 2 * 2 * 13, "b": 2 * 2 * 11}
+    served: dict[int, list[dict]] = {}  # anchor step -> frames the "anchor" replies with
+    calls: list[dict] = []
+
+    async def fake_collect(p2p, peer, handler, request, *, max_bytes, timeout, max_total, size):
+        calls.append({"peer": peer.to_base58(), "handler": handler, **request, "max_total": max_total})
+        if isinstance(served.get(request["anchor_step"]), Exception):
+            raise served[request["anchor_step"]]
+        frames = served[request["anchor_step"]]
+        if sum(size(f) for f in frames) > max_total:
+            raise ValueError("reply larger than allowed")
+        return frames
+
+    monkeypatch.setattr(priors_mod, "collect_stream", fake_collect)
+
+    def publish(step, mutate=None, rank=2):
+        entries = _prior(shapes, step=step, rank=rank)
+        head = {**entries.pop(HEADER_NAME), "source": ANCHOR_PEER}
+        frames = [{**v, "last": i == len(entries) - 1} for i, v in enumerate(entries.values())]
+        if mutate:
+            mutate(frames)
+        served[step] = frames
+        node.publish({HEADER_NAME: head})
+
+    publish(5)
+    head = keys.prior_key("run", 1)
+    assert asyncio.run(reader.poll()) == 5 and node.pushed == [5]
+    assert node.reads == [head]  # the factors did not come from the DHT
+    assert calls == [{"peer": ANCHOR_PEER, "handler": "run.rpc_prior", "run": "run", "stage": 1, "anchor_step": 5,
+                      "max_total": 2 * 2 * 13 + 2 * 2 * 11}]
+    assert asyncio.run(reader.poll()) is None and len(calls) == 1  # the same cycle is not read again
+    # the anchor is unreachable: logged, and tried again at the next poll (not refused)
+    served[6] = ConnectionError("no route")
+    node.publish({HEADER_NAME: {**_prior(shapes, step=6)[HEADER_NAME], "source": ANCHOR_PEER}})
+    assert asyncio.run(reader.poll()) is None and asyncio.run(reader.poll()) is None and len(calls) == 3
+    publish(6)
+    assert asyncio.run(reader.poll()) == 6 and node.pushed == [5, 6]
+    # served factors that do not match the signed header: refused once, never read again
+    publish(7, mutate=lambda fr: fr[0].update(u=bytes(len(fr[0]["u"]))))
+    assert asyncio.run(reader.poll()) is None and asyncio.run(reader.poll()) is None
+    assert len(calls) == 5 and node.pushed == [5, 6]
+    # a matrix missing from the reply (the anchor serves whole cycles): refused
+    publish(8, mutate=lambda fr: fr.pop())
+    assert asyncio.run(reader.poll()) is None and asyncio.run(reader.poll()) is None and len(calls) == 6
+    # a repeated matrix, an unknown one, factors above the configured rank: refused without being applied
+    for step, mutate in [(9, lambda fr: fr.append(dict(fr[0]))), (10, lambda fr: fr[0].update(name="zzz"))]:
+        publish(step, mutate=mutate)
+        assert asyncio.run(reader.poll()) is None
+    publish(11, rank=3)
+    assert asyncio.run(reader.poll()) is None
+    assert node.pushed == [5, 6] and reader.applied_step == 6
+    publish(12)
+    assert asyncio.run(reader.poll()) == 12 and node.pushed == [5, 6, 12]
+
+
+def test_anchor_prior_servicer_refuses_bad_requests():
+    import asyncio
+
+    from meshnode.compression import ByteCounter
+    from meshnode.node.anchor import PriorServicer
+
+    counter = ByteCounter()
+    svc = PriorServicer("run", 2, 1 << 20, counter)
+    shapes = {"a": (8, 4), "b": (4, 6)}
+    entries = _prior(shapes, step=5)
+    entries.pop(HEADER_NAME)
+    svc.hold(1, 5, entries)
+
+    async def ask(request):
+        return [f async for f in svc.rpc_prior(request, None)]
+
+    frames = asyncio.run(ask({"run": "run", "stage": 1, "anchor_step": 5}))
+    assert [f["name"] for f in frames] == ["a", "b"] and [f["last"] for f in frames] == [False, True]
+    assert counter.snapshot()["anchor"] == sum(len(f["u"]) + len(f["s"]) + len(f["vh"]) for f in frames)
+    for bad, err, needle in [({"run": "other", "stage": 1, "anchor_step": 5}, ValueError, "run"),
+                             ({"run": "run", "stage": True, "anchor_step": 5}, TypeError, "integers"),
+                             ({"run": "run", "stage": 1, "anchor_step": "5"}, TypeError, "integers"),
+                             ({"run": "run", "stage": 2, "anchor_step": 5}, ValueError, "no stage"),
+                             ({"run": "run", "stage": 0, "anchor_step": 5}, ValueError, "not held"),
+                             ({"run": "run", "stage": 1, "anchor_step": 4}, ValueError, "latest: 5")]:
+        with pytest.raises(err, match=needle):
+            asyncio.run(ask(bad))
+    svc.hold(1, 6, entries)  # a new cycle replaces the old one
+    with pytest.raises(ValueError, match="not held"):
+        asyncio.run(ask({"run": "run", "stage": 1, "anchor_step": 5}))
 
 
 def test_routing_does_not_starve_a_newcomer():

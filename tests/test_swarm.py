@@ -138,6 +138,7 @@ def test_anchor_follows_dp_instead_of_fetching_weights(swarm_factory, tmp_path, 
         "mask.ratio=0.95", "anchor.enabled=true", "anchor.period=5", "anchor.snapshot=\"dp\"", "spectral.rank=4",
         f"train.steps={steps}", "dp.enabled=true", "dp.replicas=2", "dp.inner_steps=3", "dp.rank=4",
         "dp.round_timeout=10.0", "dp.overlap=true", f"anchor.allowed_keys=[{json.dumps(anchor_key)}]",
+        "anchor.priors=\"dht\"",  # the factors as DHT values (test_three_stages_and_anchor: served by the anchor)
     ])
     sw.start("s1a", "--stage", "1")
     sw.start("s1b", "--stage", "1", wait=False)
@@ -251,7 +252,8 @@ async def _attack(sw: Swarm, peer_id: str, good_key) -> None:
 
     from hivemind.p2p import PeerID
 
-    from meshnode.compression import DenseCodec
+    from meshnode.compression import ByteCounter, DenseCodec
+    from meshnode.node.anchor import PriorServicer
     from meshnode.node.host import weights_from_chunks
     from meshnode.node.priors import HEADER_NAME
     from meshnode.node.swarm import SwarmClient, start_dht
@@ -347,12 +349,12 @@ async def _attack(sw: Swarm, peer_id: str, good_key) -> None:
         name = "layers.0.self_attn.q_proj.weight"
         names = sorted(n for n in w0 if n.endswith(("proj.weight",)))
 
-        def entry(m, n, r=2, nan=False, step=1):
+        def entry(m, n, r=2, nan=False, step=1, nm=name):
             u, s, vh = torch.randn(m, r), torch.rand(r), torch.randn(r, n)
             if nan:
                 s[0] = float("inf")
             ub, sb, vb = (tensor_to_bytes(t.half()) for t in (u, s, vh))
-            return prior_value(kind="matrix", anchor_step=step, name=name, rank=r, shape=[m, n], u=ub, s=sb, vh=vb,
+            return prior_value(kind="matrix", anchor_step=step, name=nm, rank=r, shape=[m, n], u=ub, s=sb, vh=vb,
                                digest=factors_digest(ub, sb, vb))
 
         def publish(c: SwarmClient, values: dict, step: int):
@@ -369,6 +371,20 @@ async def _attack(sw: Swarm, peer_id: str, good_key) -> None:
         await _wait_log(sw.procs[0].log, "does not fit")
         await publish(client, {n: entry(m, k, nan=True, step=2) for n, (m, k) in shapes.items()}, 2)
         await _wait_log(sw.procs[0].log, "non-finite")
+        # anchor.priors = rpc: the header names this client as the anchor, which then serves factors other than
+        # the ones the header was signed over; next a header naming a peer that serves no priors at all
+        svc = PriorServicer(run, cfg.model.stages, limits.max_message_bytes, ByteCounter())
+        await svc.add_p2p_handlers(client.p2p, run)
+        signed = {n: entry(m, k, step=4, nm=n) for n, (m, k) in shapes.items()}
+        svc.hold(1, 4, {n: entry(m, k, step=4, nm=n) for n, (m, k) in shapes.items()})
+        head = prior_value(kind="header", anchor_step=4, names=sorted(signed), source=client.peer_id,
+                           digest=cycle_digest({nm: v["digest"] for nm, v in signed.items()}))
+        assert await client.store_signed(prior, HEADER_NAME, head, 120)
+        await _wait_log(sw.procs[0].log, "header's digest")
+        head = {**head, "anchor_step": 5, "source": peer_id}  # the target itself: no rpc_prior handler
+        assert await client.store_signed(prior, HEADER_NAME, head, 120)
+        await _wait_log(sw.procs[0].log, "reading the factors from its anchor failed")
+        assert svc.served == 1
         rogue_key = keys.load_or_create_identity(None)
         rogue_dht = await asyncio.to_thread(start_dht, run, cfg.model.stages, initial_peers=sw.bootstrap,
                                             host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity=rogue_key, client_mode=True)

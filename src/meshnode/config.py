@@ -124,6 +124,10 @@ class AnchorConfig:
     # (bf16 on the wire every cycle); "dp" = the anchor listens to the DP all-reduce and keeps the global
     # (outer) weights, paying one replica's share of every DP round instead (needs dp.enabled).
     snapshot: str = "full"
+    # How the swarm anchor's factors reach the fast peers (the header, ~1 kB, is a DHT value either way):
+    # "rpc" = the anchor serves them itself (``rpc_prior``) and each fast peer of the stage reads them once;
+    # "dht" = one signed DHT value per matrix, stored on every DHT replica of the key.
+    priors: str = "rpc"
     allowed_keys: list[str] = field(default_factory=list)  # anchor public keys (swarm)
 
 
@@ -200,6 +204,7 @@ _CHOICES = {
     "spectral.mode": ("filter", "clean_every", "delayed_ef", "bias_correction"),
     "spectral.ema_init": ("first", "zero"),
     "anchor.snapshot": ("full", "dp"),
+    "anchor.priors": ("rpc", "dht"),
     "model.tokenizer": ("model", "bytes"),
     "model.dtype": ("float32", "bfloat16", "float16"),
 }

@@ -13,9 +13,11 @@ driver steps (read from the peers' records) it runs a cycle:
    an unmasked forward/backward with dense boundaries (counted on ``anchor`` like the mesh does);
 3. fold each targeted matrix's clean gradient into its EMA and take the SVD truncated to
    ``spectral.rank`` (:class:`SpectralFilter.update_prior`, the same code the mesh uses);
-4. publish the fp16 factors to ``{run}_priordata_{stage}``, one signed value per matrix, and then a
-   small header to ``{run}_prior_{stage}`` naming the step (the stage's optimizer step at the snapshot),
-   the matrices and a digest over their digests. Fast peers poll only the headers and read the
+4. publish a small signed header to ``{run}_prior_{stage}`` naming the step (the stage's optimizer step at
+   the snapshot), the matrices and a digest over their fp16 factors' digests. With ``anchor.priors = "rpc"``
+   (default) the anchor keeps the factors and serves them itself (:class:`PriorServicer`, ``rpc_prior``;
+   the header names this peer as ``source``); with ``"dht"`` it first stores them under
+   ``{run}_priordata_{stage}``, one signed value per matrix. Fast peers poll only the headers and read the
    factors once per new cycle (node/priors.py).
 
 Anchors never take optimizer steps. The ``bias_correction`` mode is not published by the swarm
@@ -35,7 +37,7 @@ from ..protocol import keys
 from ..protocol.limits import Limits
 from ..protocol.messages import tensor_to_bytes
 from ..protocol.records import PeerRecord, cycle_digest, factors_digest, prior_value
-from ..protocol.servicer import stream_rpc
+from ..protocol.servicer import RPCContext, RPCServicer, collect_stream
 from .dp import DPFollower, log_length
 from .host import weights_from_chunks
 from .priors import HEADER_NAME
@@ -46,6 +48,42 @@ logger = logging.getLogger(__name__)
 ANCHOR_SEED_OFFSET = 1_000_003  # the mesh anchor's offset (meshnode.mesh.anchor)
 
 
+class PriorServicer(RPCServicer):
+    """``rpc_prior`` (``anchor.priors = "rpc"``): the factors of the anchor's latest cycle of one stage.
+
+    Request ``{"run", "stage", "anchor_step"}``; reply one frame per matrix (the same fields a ``"dht"``
+    value has, ``last`` on the final one). Only the cycle the DHT header currently names is held, so a
+    reader that asks for another step is refused and reads the new header first. The reader checks every
+    frame against that signed header (digests), so the stream itself needs no signature. Each reply is
+    counted on the ``anchor`` axis: it is what this anchor uploads.
+    """
+
+    def __init__(self, run_id: str, num_stages: int, max_message_bytes: int, counter):
+        super().__init__(max_message_bytes)
+        self.run_id = run_id
+        self.num_stages = num_stages
+        self.counter = counter
+        self.held: dict[int, tuple[int, list[dict]]] = {}  # stage -> (anchor step, matrix values by name)
+
+    def hold(self, stage: int, anchor_step: int, values: dict[str, dict]) -> None:
+        self.held[stage] = (anchor_step, [values[n] for n in sorted(values)])
+
+    async def rpc_prior(self, request: dict, context: RPCContext):
+        if request.get("run") != self.run_id:
+            raise ValueError("wrong run")
+        stage, step = request.get("stage"), request.get("anchor_step")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (stage, step)):
+            raise TypeError("stage and anchor_step must be integers")
+        if not 0 <= stage < self.num_stages:
+            raise ValueError(f"no stage {stage}")
+        held_step, values = self.held.get(stage, (None, []))
+        if held_step != step:
+            raise ValueError(f"stage {stage}: the prior of step {step} is not held (latest: {held_step})")
+        for i, value in enumerate(values):
+            self.counter.add("anchor", len(value["u"]) + len(value["s"]) + len(value["vh"]))
+            yield {**value, "last": i == len(values) - 1}
+
+
 class AnchorRunner:
     def __init__(self, node):
         self.node = node
@@ -53,6 +91,7 @@ class AnchorRunner:
         self.cycles = 0
         self.prior_step: int | None = None
         self.next_at = self.cfg.anchor.period
+        self.servicer: PriorServicer | None = None
 
     def _build(self):
         from ..data import BatchSource, make_tokenizer, prepare_corpus
@@ -102,6 +141,11 @@ class AnchorRunner:
         await self._announce("joining")
         await asyncio.to_thread(self._build)
         node.swarm.limits = self.limits
+        if self.cfg.anchor.priors == "rpc":
+            self.servicer = PriorServicer(node.run_id, self.cfg.model.stages, self.limits.max_message_bytes,
+                                          node.counter)
+            await self.servicer.add_p2p_handlers(node.swarm.p2p, node.run_id)
+            node.servicer = self.servicer  # the daemon removes its handlers at shutdown
         await self._announce("online")
         node._write_ready()
 
@@ -129,21 +173,11 @@ class AnchorRunner:
 
     async def _stream(self, peer_id: str, method: str, request: dict, max_total: int | None = None) -> list[dict]:
         """Every frame of a streamed reply; more than ``max_total`` bytes of tensor data in all is refused."""
-        chunks, total = [], 0
-        async for item in stream_rpc(
+        return await collect_stream(
             self.node.swarm.p2p, PeerID.from_base58(peer_id), f"{self.node.run_id}.{method}",
             {"run": self.node.run_id, **request}, max_bytes=self.limits.max_message_bytes,
-            timeout=self.limits.rpc_timeout,
-        ):
-            pieces = item.get("pieces")
-            total += sum(len(p[3]) for p in pieces if isinstance(p, list) and len(p) == 5
-                         and isinstance(p[3], bytes)) if isinstance(pieces, list) else 0
-            if max_total is not None and total > max_total:
-                raise ValueError(f"{method}: reply larger than {max_total} bytes")
-            chunks.append(item)
-        if not chunks:
-            raise RuntimeError(f"{method}: empty reply")
-        return chunks
+            timeout=self.limits.rpc_timeout, max_total=max_total, size=_pieces_bytes,
+        )
 
     def _stage_bytes(self, stage: int) -> int:
         """Bytes of one stage's parameters in float32: the most any entry or state of it can honestly take."""
@@ -251,22 +285,36 @@ class AnchorRunner:
         ttl = max(300.0, node.opts.announce_period * 20)
         for s, fs in enumerate(factors):
             data_key = keys.prior_data_key(node.run_id, s)
-            digests = {}
+            values, digests = {}, {}
             for name, (u, sv, vh) in fs.items():
                 ub, sb, vb = (tensor_to_bytes(t.to(torch.float16)) for t in (u, sv, vh))
                 digests[name] = factors_digest(ub, sb, vb)
-                value = prior_value(kind="matrix", anchor_step=steps[s], name=name, rank=int(sv.numel()),
-                                    shape=[int(u.shape[0]), int(vh.shape[1])], u=ub, s=sb, vh=vb,
-                                    digest=digests[name])
-                if not await node.swarm.store_signed(data_key, name, value, ttl):
-                    logger.warning("prior %s of stage %d was not stored", name, s)
-                node.counter.add("anchor", len(ub) + len(sb) + len(vb))
+                values[name] = prior_value(kind="matrix", anchor_step=steps[s], name=name, rank=int(sv.numel()),
+                                           shape=[int(u.shape[0]), int(vh.shape[1])], u=ub, s=sb, vh=vb,
+                                           digest=digests[name])
+            source = None
+            if self.servicer is not None:  # served on request (counted per reply), only the header goes to the DHT
+                self.servicer.hold(s, steps[s], values)
+                source = node.swarm.peer_id
+            else:
+                for name, value in values.items():
+                    if not await node.swarm.store_signed(data_key, name, value, ttl):
+                        logger.warning("prior %s of stage %d was not stored", name, s)
+                    node.counter.add("anchor", len(value["u"]) + len(value["s"]) + len(value["vh"]))
             header = prior_value(kind="header", anchor_step=steps[s], names=sorted(fs), digest=cycle_digest(digests),
-                                 final=True)
+                                 final=True, source=source)
             await node.swarm.store_signed(keys.prior_key(node.run_id, s), HEADER_NAME, header, ttl)
         self.cycles += 1
         self.prior_step = min(steps)
         logger.info("anchor cycle %d: published priors of steps %s", self.cycles, steps)
+
+
+def _pieces_bytes(frame: dict) -> int:
+    """Tensor bytes in a weights / DP log frame (``pieces``: ``[name, dtype, shape, data, offset]`` lists)."""
+    pieces = frame.get("pieces")
+    if not isinstance(pieces, list):
+        return 0
+    return sum(len(p[3]) for p in pieces if isinstance(p, list) and len(p) == 5 and isinstance(p[3], bytes))
 
 
 def _checked_meta(frame: dict) -> dict:
@@ -280,4 +328,4 @@ def _checked_meta(frame: dict) -> dict:
     return {**ints, "dp_epoch": epoch, "gap": bool(frame.get("gap", False))}
 
 
-__all__ = ["ANCHOR_SEED_OFFSET", "AnchorRunner"]
+__all__ = ["ANCHOR_SEED_OFFSET", "AnchorRunner", "PriorServicer"]

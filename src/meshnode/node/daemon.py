@@ -39,7 +39,7 @@ from ..config import RunConfig
 from ..protocol import keys
 from ..protocol.limits import Limits
 from ..protocol.records import PeerRecord
-from ..protocol.servicer import StageServicer, stream_rpc
+from ..protocol.servicer import RPCServicer, StageServicer, stream_rpc
 from .claim import choose_stage
 from .host import StageHost
 from .status import swarm_health
@@ -84,7 +84,7 @@ class SwarmNode:
         self.counter = ByteCounter()
         self.swarm: SwarmClient | None = None
         self.host: StageHost | None = None
-        self.servicer: StageServicer | None = None
+        self.servicer: RPCServicer | None = None
         self.record: PeerRecord | None = None
         self.tasks: list[asyncio.Task] = []
         self.stage = -1

@@ -1,16 +1,24 @@
 """Fast peers read the anchor prior of their stage and feed the spectral optimizer.
 
-An anchor publishes, per stage and cycle, one signed value per targeted matrix (fp16 factors ``U (m, r)``,
-``s (r,)``, ``Vh (r, n)`` and a digest) under ``{run}_priordata_{stage}``, then a small header naming the
-cycle's step, its matrices and a digest over their digests under ``{run}_prior_{stage}``. A fast peer
-polls only the headers (about 1 kB); the factors (for the 135M model at rank 32, several MB per stage)
-are read once per new cycle. Before this split every poll (every 2 s) read every factor again, which
-on a slow link kept a fast peer's downlink busy with the same prior.
+An anchor publishes, per stage and cycle, a small signed header under ``{run}_prior_{stage}`` naming the
+cycle's step, its matrices and a digest over the digests of their fp16 factors (``U (m, r)``, ``s (r,)``,
+``Vh (r, n)``). A fast peer polls only the headers (about 1 kB); the factors (for the 135M model at rank 8,
+~144 kB per stage) are read once per new cycle, from where the header says:
+
+* ``source`` set (``anchor.priors = "rpc"``, the default): from that anchor peer, ``rpc_prior``. The anchor
+  uploads one copy per fast peer that reads it, and the DHT carries one small value per stage and cycle.
+* no ``source`` (``"dht"``): from ``{run}_priordata_{stage}``, one signed value per matrix. Every value
+  is stored on each of the key's DHT replicas (5 by default), which on a slow link made one cycle 28
+  stores and ~1.4 MB from the anchor's uplink (docs/throughput.md, fourth session).
+
+Before the header/factor split every poll (every 2 s) read every factor again, which on a slow link kept
+a fast peer's downlink busy with the same prior.
 
 The RSA signature validator of the DHT already guarantees that a value under a subkey holding key K was
 written by K; here a prior is accepted only when K is listed in ``anchor.allowed_keys``, the header
 and every matrix agree on the step, every shape matches the parameter, every value is finite, the
-digests match, and the prior is not older than ``anchor.max_staleness`` steps of this replica.
+digests match (this is what binds factors read by RPC to the signed header), and the prior is not older
+than ``anchor.max_staleness`` steps of this replica.
 Anything else is ignored and logged (once per cause and anchor step); a cycle refused for its content
 is not read again.
 """
@@ -21,10 +29,14 @@ import asyncio
 import logging
 from typing import Any
 
+from hivemind.p2p import PeerID
+
 from ..optim import PriorError
 from ..protocol import keys
+from ..protocol.limits import FRAME_SLACK
 from ..protocol.messages import WireError, tensor_from_bytes
 from ..protocol.records import PriorRecordSchema, cycle_digest, factors_digest
+from ..protocol.servicer import collect_stream
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +91,19 @@ def validate_prior(
     return step, out
 
 
+def factor_bytes(shapes: dict[str, tuple[int, int]], rank: int) -> dict[str, int]:
+    """The most fp16 factor bytes per matrix at ``rank`` (0 = full thin SVD): what a reader accepts."""
+    out = {}
+    for name, (m, n) in shapes.items():
+        r = min(m, n) if rank <= 0 else min(rank, m, n)
+        out[name] = 2 * r * (m + n + 1)
+    return out
+
+
+def _frame_factor_bytes(frame: dict) -> int:
+    return sum(len(frame[k]) for k in ("u", "s", "vh") if isinstance(frame.get(k), bytes))
+
+
 class PriorReader:
     """Polls this stage's prior key and pushes accepted priors into the worker's optimizer."""
 
@@ -92,6 +117,7 @@ class PriorReader:
         self._logged: set[tuple[str, int, str]] = set()
         opt = node.host.worker.optimizer
         self.shapes = {name: (int(opt.params[name].shape[0]), int(opt.params[name].shape[1])) for name in opt.filters}
+        self.max_factor_bytes = factor_bytes(self.shapes, node.cfg.spectral.rank)
 
     def _log_once(self, owner: str, step: int, why: str) -> None:
         key = (owner[-16:], step, why[:40])
@@ -125,6 +151,31 @@ class PriorReader:
             by_owner.setdefault(owner, {})[name] = item.value
         return by_owner
 
+    async def _read_from_anchor(self, head: dict) -> dict[str, dict]:
+        """``{name: value}`` of one cycle's factors from the anchor the header names (``rpc_prior``)."""
+        node = self.node
+        source = head["source"]
+        if not isinstance(source, str):
+            raise ValueError("source is not a peer id")
+        limits = node.host.limits
+        frames = await collect_stream(
+            node.swarm.p2p, PeerID.from_base58(source), f"{node.run_id}.rpc_prior",
+            {"run": node.run_id, "stage": node.stage, "anchor_step": head["anchor_step"]},
+            max_bytes=max(limits.max_message_bytes, max(self.max_factor_bytes.values(), default=0) + FRAME_SLACK),
+            timeout=limits.rpc_timeout, max_total=sum(self.max_factor_bytes.values()), size=_frame_factor_bytes,
+        )
+        out: dict[str, dict] = {}
+        for frame in frames:
+            value = {k: v for k, v in frame.items() if k not in ("ok", "last")}
+            PriorRecordSchema.parse_obj(value)
+            name = value.get("name")
+            if value.get("kind") != "matrix" or name not in self.shapes or name in out:
+                raise ValueError(f"unexpected or repeated matrix {name!r}")
+            if _frame_factor_bytes(value) > self.max_factor_bytes[name]:
+                raise ValueError(f"{name}: factors larger than rank {node.cfg.spectral.rank} allows")
+            out[name] = value
+        return out
+
     async def poll(self) -> int | None:
         """Read the headers; for a new cycle from an allowed anchor read its factors, check and apply them."""
         node = self.node
@@ -145,17 +196,31 @@ class PriorReader:
             fresh[owner] = head
         if not fresh:
             return None
-        # the factors are large: read one holder's copy, and merge every holder's only after an incomplete read
-        data = self._by_owner(await node.swarm.get_key(keys.prior_data_key(node.run_id, node.stage),
-                                                       latest=self.incomplete))
-        self.incomplete = False
+        data = None
         best = None
         for owner, head in fresh.items():
-            entries = {**data.get(owner, {}), HEADER_NAME: head}
+            if head.get("source") is not None:
+                try:
+                    got = await self._read_from_anchor(head)
+                except Exception as exc:  # unreachable, refused, too large, malformed: tried again next poll
+                    self._log_once(owner, head["anchor_step"], f"reading the factors from its anchor failed: {exc!r}")
+                    continue
+            else:
+                if data is None:
+                    # the factors are large: read one holder's copy, and merge every holder's only after an
+                    # incomplete read
+                    data = self._by_owner(await node.swarm.get_key(keys.prior_data_key(node.run_id, node.stage),
+                                                                   latest=self.incomplete))
+                    self.incomplete = False
+                got = data.get(owner, {})
+            entries = {**got, HEADER_NAME: head}
             try:
                 step, factors = validate_prior(entries, self.shapes)
             except PriorIncomplete as exc:
-                self.incomplete = True
+                if head.get("source") is not None:  # the anchor served its whole cycle: missing is wrong
+                    self.refused.add((owner, head["anchor_step"]))
+                else:
+                    self.incomplete = True
                 self._log_once(owner, head["anchor_step"], str(exc))
                 continue
             except (ValueError, KeyError, TypeError) as exc:
@@ -178,4 +243,4 @@ class PriorReader:
         return step
 
 
-__all__ = ["HEADER_NAME", "PriorIncomplete", "PriorReader", "split_prior_subkey", "validate_prior"]
+__all__ = ["HEADER_NAME", "PriorIncomplete", "PriorReader", "factor_bytes", "split_prior_subkey", "validate_prior"]

@@ -67,6 +67,7 @@ class PriorRecordSchema(pydantic.BaseModel):
     vh: StrictBytes | None = None
     digest: StrictStr | None = None
     final: StrictBool | None = None
+    source: constr(strict=True, max_length=128) | None = None  # header: the peer id serving the factors (rpc)
 
     class Config:
         extra = pydantic.Extra.allow

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -53,37 +53,14 @@ class StageBackend(Protocol):
     def dp_log_stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
 
 
-class StageServicer:
-    """``rpc_forward``, ``rpc_backward``, ``rpc_info``, ``rpc_get_weights``, ``rpc_get_state``, ``rpc_dp_log``."""
+class RPCServicer:
+    """Serves every ``rpc_<verb>`` method of a subclass as ``{namespace}.rpc_<verb>`` (one frame in, one or a
+    stream of frames out, every refusal an error frame)."""
 
-    def __init__(self, backend: StageBackend, max_message_bytes: int):
-        self.backend = backend
+    def __init__(self, max_message_bytes: int):
         self.max_message_bytes = max_message_bytes
         self.errors = 0  # requests refused (bad input, replay, ...)
         self.served = 0
-
-    # ---- rpc methods -----------------------------------------------------------------------
-
-    async def rpc_forward(self, request: dict[str, Any], context: RPCContext) -> dict[str, Any]:
-        return await self.backend.forward(request)
-
-    async def rpc_backward(self, request: dict[str, Any], context: RPCContext) -> dict[str, Any]:
-        return await self.backend.backward(request)
-
-    async def rpc_info(self, request: dict[str, Any], context: RPCContext) -> dict[str, Any]:
-        return {"ok": True, **self.backend.info()}
-
-    async def rpc_get_weights(self, request: dict[str, Any], context: RPCContext) -> AsyncIterator[dict[str, Any]]:
-        async for item in self.backend.weights_stream(request):
-            yield item
-
-    async def rpc_get_state(self, request: dict[str, Any], context: RPCContext) -> AsyncIterator[dict[str, Any]]:
-        async for item in self.backend.state_stream(request):
-            yield item
-
-    async def rpc_dp_log(self, request: dict[str, Any], context: RPCContext) -> AsyncIterator[dict[str, Any]]:
-        async for item in self.backend.dp_log_stream(request):
-            yield item
 
     # ---- registration ----------------------------------------------------------------------
 
@@ -134,6 +111,35 @@ class StageServicer:
         return handle
 
 
+class StageServicer(RPCServicer):
+    """``rpc_forward``, ``rpc_backward``, ``rpc_info``, ``rpc_get_weights``, ``rpc_get_state``, ``rpc_dp_log``."""
+
+    def __init__(self, backend: StageBackend, max_message_bytes: int):
+        super().__init__(max_message_bytes)
+        self.backend = backend
+
+    async def rpc_forward(self, request: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+        return await self.backend.forward(request)
+
+    async def rpc_backward(self, request: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+        return await self.backend.backward(request)
+
+    async def rpc_info(self, request: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+        return {"ok": True, **self.backend.info()}
+
+    async def rpc_get_weights(self, request: dict[str, Any], context: RPCContext) -> AsyncIterator[dict[str, Any]]:
+        async for item in self.backend.weights_stream(request):
+            yield item
+
+    async def rpc_get_state(self, request: dict[str, Any], context: RPCContext) -> AsyncIterator[dict[str, Any]]:
+        async for item in self.backend.state_stream(request):
+            yield item
+
+    async def rpc_dp_log(self, request: dict[str, Any], context: RPCContext) -> AsyncIterator[dict[str, Any]]:
+        async for item in self.backend.dp_log_stream(request):
+            yield item
+
+
 # ---------------------------------------------------------------------------------------------
 # client
 
@@ -182,4 +188,24 @@ async def stream_rpc(
         writer.close()
 
 
-__all__ = ["RPCContext", "RPCError", "StageBackend", "StageServicer", "call_rpc", "stream_rpc"]
+async def collect_stream(
+    p2p: P2P, peer: PeerID, handler: str, request: dict[str, Any], *, max_bytes: int, timeout: float,
+    max_total: int | None = None, size: Callable[[dict[str, Any]], int] = lambda item: 0,
+) -> list[dict[str, Any]]:
+    """Every frame of a streamed reply. ``size(frame)`` counts a frame's payload; a reply whose payloads add up to
+    more than ``max_total`` bytes is refused (ValueError) as soon as it does, before the rest is read."""
+    frames, total = [], 0
+    async for item in stream_rpc(p2p, peer, handler, request, max_bytes=max_bytes, timeout=timeout):
+        total += size(item)
+        if max_total is not None and total > max_total:
+            raise ValueError(f"{handler}: reply larger than {max_total} bytes")
+        frames.append(item)
+    if not frames:
+        raise RuntimeError(f"{handler}: empty reply")
+    return frames
+
+
+__all__ = [
+    "RPCContext", "RPCError", "RPCServicer", "StageBackend", "StageServicer", "call_rpc", "collect_stream",
+    "stream_rpc",
+]
