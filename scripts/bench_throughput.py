@@ -155,7 +155,7 @@ def time_scale(cpu_s: float, flops: float, bandwidth_mbit: float, delay_ms: floa
 
 def variant_overrides(variant: str, *, replicas: int, anchor_key: str, anchor_period: int = 10,
                       dp_inner_steps: int = 10, dp_rank: int = 4, spectral_rank: int = 8,
-                      dp_overlap: bool = True, anchor_snapshot: str = "dp") -> list[str]:
+                      dp_overlap: bool = True, anchor_snapshot: str = "dp", priors: str = "rpc") -> list[str]:
     """``--set`` overrides of one variant (the base config is BENCH_TOML)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
@@ -168,7 +168,8 @@ def variant_overrides(variant: str, *, replicas: int, anchor_key: str, anchor_pe
     }[variant]
     if variant in ("m95_ap", "m95_ap_dp"):
         out += ["anchor.enabled=true", f"anchor.period={anchor_period}", "anchor.max_staleness=30",
-                f"spectral.rank={spectral_rank}", f"anchor.allowed_keys=[{json.dumps(anchor_key)}]"]
+                f"spectral.rank={spectral_rank}", f"anchor.allowed_keys=[{json.dumps(anchor_key)}]",
+                f"anchor.priors={json.dumps(priors)}"]
     if variant == "m95_ap_dp":
         out += ["dp.enabled=true", f"dp.inner_steps={dp_inner_steps}", f"dp.rank={dp_rank}",
                 f"anchor.snapshot={json.dumps(anchor_snapshot)}"]
@@ -302,7 +303,8 @@ def simulate_variant(variant: str, bench: BenchModel, replicas: int, compute_s: 
 
     Same inputs as :func:`predict_variant`. DP: a sync's two averaging rounds each take at least
     ``DP_MATCHMAKING_S`` of matchmaking; blocking unless the run used ``dp.overlap``. Priors reach the
-    fast peers through the DHT: stored on ``prior_holders`` peers (node/priors.py reads one holder's copy).
+    fast peers from the anchor itself (``prior_holders = 0``, ``anchor.priors = rpc``) or through the DHT,
+    stored on ``prior_holders`` peers (``dht``; node/priors.py reads one holder's copy).
     ``background_bytes_per_s`` (wire bytes per peer, e.g. the idle swarm's): charged while links are busy
     (:func:`meshnode.perf_sim.simulate_with_background`).
     """
@@ -353,7 +355,8 @@ def _sim_of(result: dict, variant: str, overhead_s: float, link_mbit: float | st
                             link["delay_ms_one_way"], dp_inner_steps=mi["dp_inner_steps"],
                             anchor_period=mi["anchor_period"], dp_overlap=mi.get("dp_overlap", False),
                             steps=model_steps(r) if steps is None else steps, message_overhead_s=overhead_s,
-                            background_bytes_per_s=background)
+                            background_bytes_per_s=background,
+                            prior_holders=0 if mi.get("priors") == "rpc" else DHT_REPLICAS)
 
 
 def fit_message_overhead(result: dict, variant: str, hi_s: float = 2.0) -> float:
@@ -517,7 +520,7 @@ def reshape_tbf(net, rate_mbit: float, delay_ms: float, mtu: int = 1500) -> dict
 def run_variant(net, variant: str, bench: BenchModel, replicas: int, workdir: Path, cache_dir: Path, *,
                 warmup_s: float, window_s: float, pin: bool, anchor_period: int, dp_inner_steps: int,
                 dp_overlap: bool = True, min_steps: int = 0, max_window_s: float | None = None,
-                anchor_snapshot: str = "dp", spectral_rank: int = 8,
+                anchor_snapshot: str = "dp", spectral_rank: int = 8, priors: str = "rpc",
                 idle_s: float = 0.0) -> dict:
     """One fresh swarm of ``variant``; measured over ``window_s`` after ``warmup_s``, extended (up to
     ``max_window_s``) until every driver has ``min_steps`` steps in its window.
@@ -537,7 +540,7 @@ def run_variant(net, variant: str, bench: BenchModel, replicas: int, workdir: Pa
     anchor_key = keys.public_key_string(keys.load_or_create_identity(anchor_identity))
     overrides = variant_overrides(variant, replicas=replicas, anchor_key=anchor_key, anchor_period=anchor_period,
                                   dp_inner_steps=dp_inner_steps, dp_overlap=dp_overlap,
-                                  anchor_snapshot=anchor_snapshot, spectral_rank=spectral_rank)
+                                  anchor_snapshot=anchor_snapshot, spectral_rank=spectral_rank, priors=priors)
     if idle_s > 0:
         overrides.append(f"train.steps={IDLE_DRIVER_STEPS}")
     with_anchor = variant in ("m95_ap", "m95_ap_dp")
@@ -864,6 +867,8 @@ def main(argv: list[str] | None = None) -> int:
                          "prediction takes it, and each variant's measured retransmissions, off the link (0: skip)")
     ap.add_argument("--anchor-period", type=int, default=10)
     ap.add_argument("--spectral-rank", type=int, default=8, help="rank of the anchor's published priors")
+    ap.add_argument("--priors", choices=("rpc", "dht"), default="rpc",
+                    help="anchor.priors: the anchor serves its factors itself (rpc) or stores them in the DHT (dht)")
     ap.add_argument("--dp-inner-steps", type=int, default=10)
     ap.add_argument("--pin", action="store_true", help="taskset peer i to core i mod ncores")
     ap.add_argument("--anchor-snapshot", choices=("dp", "full"), default="dp",
@@ -957,7 +962,8 @@ def main(argv: list[str] | None = None) -> int:
                                   window_s=window, pin=args.pin, anchor_period=args.anchor_period,
                                   dp_inner_steps=args.dp_inner_steps, dp_overlap=not args.dp_blocking,
                                   min_steps=args.min_steps, max_window_s=args.max_window_s,
-                                  anchor_snapshot=args.anchor_snapshot, spectral_rank=args.spectral_rank)
+                                  anchor_snapshot=args.anchor_snapshot, spectral_rank=args.spectral_rank,
+                                  priors=args.priors)
             except Exception as exc:  # one failed variant must not lose the others
                 logger.error("%s failed: %s", v, exc)
                 results[v] = {"error": str(exc)}
@@ -971,14 +977,15 @@ def main(argv: list[str] | None = None) -> int:
             sim = simulate_variant(v, bench, args.replicas, cmb, vs, rate, args.delay_ms,
                                    dp_inner_steps=args.dp_inner_steps, anchor_period=args.anchor_period,
                                    dp_overlap=not args.dp_blocking, message_overhead_s=overhead,
-                                   steps=model_steps(res))
+                                   steps=model_steps(res), prior_holders=0 if args.priors == "rpc" else DHT_REPLICAS)
             record_predictions(res, sim, pred, wave_tokens_per_s(pred, bench, args.replicas, args.delay_ms))
             res["model_inputs"] = {"compute_s_per_microbatch": cmb, "pp_fwd_bytes": fwd, "pp_bwd_bytes": bwd,
                                    "dp_per_sync": vs.dp_per_sync, "prior_per_cycle": vs.prior_per_cycle,
                                    "snapshot_per_cycle": vs.snapshot_per_cycle, "dp_inner_steps": args.dp_inner_steps,
                                    "anchor_period": args.anchor_period, "dp_overlap": not args.dp_blocking,
                                    "background_bytes_per_s": background, "retrans_share": retrans,
-                                   "link_mbit_available": avail,
+                                   "link_mbit_available": avail, "priors": args.priors if v in ("m95_ap", "m95_ap_dp")
+                                   else None,
                                    "anchor_snapshot": "dp" if follows_dp else "full" if v in ("m95_ap", "m95_ap_dp")
                                    else None}
             res["link_utilisation"] = {
