@@ -155,7 +155,8 @@ def time_scale(cpu_s: float, flops: float, bandwidth_mbit: float, delay_ms: floa
 
 def variant_overrides(variant: str, *, replicas: int, anchor_key: str, anchor_period: int = 10,
                       dp_inner_steps: int = 10, dp_rank: int = 4, spectral_rank: int = 8,
-                      dp_overlap: bool = True, anchor_snapshot: str = "dp", priors: str = "rpc") -> list[str]:
+                      dp_overlap: bool = True, anchor_snapshot: str = "dp", priors: str = "rpc",
+                      dp_matchmaking_s: float = DP_MATCHMAKING_S) -> list[str]:
     """``--set`` overrides of one variant (the base config is BENCH_TOML)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
@@ -172,9 +173,9 @@ def variant_overrides(variant: str, *, replicas: int, anchor_key: str, anchor_pe
                 f"anchor.priors={json.dumps(priors)}"]
     if variant == "m95_ap_dp":
         out += ["dp.enabled=true", f"dp.inner_steps={dp_inner_steps}", f"dp.rank={dp_rank}",
-                f"anchor.snapshot={json.dumps(anchor_snapshot)}"]
+                f"anchor.snapshot={json.dumps(anchor_snapshot)}", f"dp.matchmaking_time={dp_matchmaking_s}"]
         if dp_overlap:
-            out += ["dp.overlap=true", "dp.round_timeout=30.0"]
+            out += ["dp.overlap=true", f"dp.round_timeout={max(30.0, dp_matchmaking_s + 15.0)}"]
     return out
 
 
@@ -298,7 +299,8 @@ def simulate_variant(variant: str, bench: BenchModel, replicas: int, compute_s: 
                      link_mbit: float, delay_ms: float, *, dp_inner_steps: int = 10, anchor_period: int = 10,
                      dp_overlap: bool = True, steps: int = 30,
                      message_overhead_s: float = 0.0, prior_holders: int = DHT_REPLICAS,
-                     background_bytes_per_s: float = 0.0) -> perf_sim.SimResult:
+                     background_bytes_per_s: float = 0.0,
+                     dp_matchmaking_s: float = DP_MATCHMAKING_S) -> perf_sim.SimResult:
     """The event-level cost model (:mod:`meshnode.perf_sim`) of one variant of the benchmark swarm.
 
     Same inputs as :func:`predict_variant`. DP: a sync's two averaging rounds each take at least
@@ -315,7 +317,7 @@ def simulate_variant(variant: str, bench: BenchModel, replicas: int, compute_s: 
         stages=stages, replicas=[replicas] * bench.stages, microbatches=bench.microbatches,
         tokens_per_microbatch=bench.tokens_per_microbatch, bandwidth_bps=link_mbit * 1e6 * TCP_GOODPUT,
         latency_s=delay_ms / 1e3, dp_inner_steps=dp_inner_steps if dp_on else 0, dp_bytes=sizes.dp_per_sync,
-        dp_blocking=not dp_overlap, dp_matchmaking_s=2 * DP_MATCHMAKING_S,
+        dp_blocking=not dp_overlap, dp_matchmaking_s=2 * dp_matchmaking_s,
         anchor_period=anchor_period if ap_on else 0, snapshot_bytes=sizes.snapshot_per_cycle,
         prior_bytes=sizes.prior_per_cycle, steps=steps, warmup_steps=4, message_overhead_s=message_overhead_s,
         prior_holders=prior_holders,
@@ -356,7 +358,8 @@ def _sim_of(result: dict, variant: str, overhead_s: float, link_mbit: float | st
                             anchor_period=mi["anchor_period"], dp_overlap=mi.get("dp_overlap", False),
                             steps=model_steps(r) if steps is None else steps, message_overhead_s=overhead_s,
                             background_bytes_per_s=background,
-                            prior_holders=0 if mi.get("priors") == "rpc" else DHT_REPLICAS)
+                            prior_holders=0 if mi.get("priors") == "rpc" else DHT_REPLICAS,
+                            dp_matchmaking_s=mi.get("dp_matchmaking_s", DP_MATCHMAKING_S))
 
 
 def fit_message_overhead(result: dict, variant: str, hi_s: float = 2.0) -> float:
@@ -521,7 +524,7 @@ def run_variant(net, variant: str, bench: BenchModel, replicas: int, workdir: Pa
                 warmup_s: float, window_s: float, pin: bool, anchor_period: int, dp_inner_steps: int,
                 dp_overlap: bool = True, min_steps: int = 0, max_window_s: float | None = None,
                 anchor_snapshot: str = "dp", spectral_rank: int = 8, priors: str = "rpc",
-                idle_s: float = 0.0) -> dict:
+                dp_matchmaking_s: float = DP_MATCHMAKING_S, idle_s: float = 0.0) -> dict:
     """One fresh swarm of ``variant``; measured over ``window_s`` after ``warmup_s``, extended (up to
     ``max_window_s``) until every driver has ``min_steps`` steps in its window.
 
@@ -540,7 +543,8 @@ def run_variant(net, variant: str, bench: BenchModel, replicas: int, workdir: Pa
     anchor_key = keys.public_key_string(keys.load_or_create_identity(anchor_identity))
     overrides = variant_overrides(variant, replicas=replicas, anchor_key=anchor_key, anchor_period=anchor_period,
                                   dp_inner_steps=dp_inner_steps, dp_overlap=dp_overlap,
-                                  anchor_snapshot=anchor_snapshot, spectral_rank=spectral_rank, priors=priors)
+                                  anchor_snapshot=anchor_snapshot, spectral_rank=spectral_rank, priors=priors,
+                                  dp_matchmaking_s=dp_matchmaking_s)
     if idle_s > 0:
         overrides.append(f"train.steps={IDLE_DRIVER_STEPS}")
     with_anchor = variant in ("m95_ap", "m95_ap_dp")
@@ -867,6 +871,8 @@ def main(argv: list[str] | None = None) -> int:
                          "prediction takes it, and each variant's measured retransmissions, off the link (0: skip)")
     ap.add_argument("--anchor-period", type=int, default=10)
     ap.add_argument("--spectral-rank", type=int, default=8, help="rank of the anchor's published priors")
+    ap.add_argument("--dp-matchmaking-s", type=float, default=DP_MATCHMAKING_S,
+                    help="m95_ap_dp: dp.matchmaking_time, how long the first replica at a round waits for partners")
     ap.add_argument("--priors", choices=("rpc", "dht"), default="rpc",
                     help="anchor.priors: the anchor serves its factors itself (rpc) or stores them in the DHT (dht)")
     ap.add_argument("--dp-inner-steps", type=int, default=10)
@@ -963,7 +969,7 @@ def main(argv: list[str] | None = None) -> int:
                                   dp_inner_steps=args.dp_inner_steps, dp_overlap=not args.dp_blocking,
                                   min_steps=args.min_steps, max_window_s=args.max_window_s,
                                   anchor_snapshot=args.anchor_snapshot, spectral_rank=args.spectral_rank,
-                                  priors=args.priors)
+                                  priors=args.priors, dp_matchmaking_s=args.dp_matchmaking_s)
             except Exception as exc:  # one failed variant must not lose the others
                 logger.error("%s failed: %s", v, exc)
                 results[v] = {"error": str(exc)}
@@ -977,7 +983,8 @@ def main(argv: list[str] | None = None) -> int:
             sim = simulate_variant(v, bench, args.replicas, cmb, vs, rate, args.delay_ms,
                                    dp_inner_steps=args.dp_inner_steps, anchor_period=args.anchor_period,
                                    dp_overlap=not args.dp_blocking, message_overhead_s=overhead,
-                                   steps=model_steps(res), prior_holders=0 if args.priors == "rpc" else DHT_REPLICAS)
+                                   steps=model_steps(res), prior_holders=0 if args.priors == "rpc" else DHT_REPLICAS,
+                                   dp_matchmaking_s=args.dp_matchmaking_s)
             record_predictions(res, sim, pred, wave_tokens_per_s(pred, bench, args.replicas, args.delay_ms))
             res["model_inputs"] = {"compute_s_per_microbatch": cmb, "pp_fwd_bytes": fwd, "pp_bwd_bytes": bwd,
                                    "dp_per_sync": vs.dp_per_sync, "prior_per_cycle": vs.prior_per_cycle,
@@ -985,7 +992,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "anchor_period": args.anchor_period, "dp_overlap": not args.dp_blocking,
                                    "background_bytes_per_s": background, "retrans_share": retrans,
                                    "link_mbit_available": avail, "priors": args.priors if v in ("m95_ap", "m95_ap_dp")
-                                   else None,
+                                   else None, "dp_matchmaking_s": args.dp_matchmaking_s,
                                    "anchor_snapshot": "dp" if follows_dp else "full" if v in ("m95_ap", "m95_ap_dp")
                                    else None}
             res["link_utilisation"] = {

@@ -37,6 +37,9 @@ def test_overrides_and_run_id():
         ({}, ["train.lr"], "expected key=value"),
         ({"model": 3}, [], "model: expected a table"),
         ({}, ["anchor.enabled=1"], "anchor.enabled: expected true or false"),
+        ({}, ["anchor.priors=\"ipfs\""], "anchor.priors: 'ipfs' is not one of"),
+        ({}, ["dp.matchmaking_time=20.0"], "dp.matchmaking_time: 20.0 s must be below dp.round_timeout"),
+        ({}, ["dp.matchmaking_time=0"], "dp.matchmaking_time: must be > 0"),
     ],
 )
 def test_bad_config_names_key(data, overrides, message):

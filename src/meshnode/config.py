@@ -164,6 +164,11 @@ class DPConfig:
     # in-process mesh's all-reduce is instantaneous, so it ignores this.
     overlap: bool = False
     round_timeout: float = 15.0  # swarm: seconds a replica waits for partners per averaging round
+    # Swarm: seconds the first replica to reach a round waits for partners to join its group (hivemind's
+    # min_matchmaking_time). Replicas reach their syncs at different times (each counts its own steps), so
+    # with dp.overlap a window of about dp.inner_steps step times pairs them every sync; it only delays the
+    # outer step. Must be below dp.round_timeout.
+    matchmaking_time: float = 2.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -223,7 +228,7 @@ _POSITIVE = {
     "model.stages", "model.tiny_layers", "model.tiny_hidden", "model.tiny_heads", "model.tiny_kv_heads",
     "model.tiny_intermediate", "model.tiny_vocab", "data.seq_len", "train.batch_size", "train.microbatches",
     "train.eval_batches", "anchor.period", "anchor.max_staleness", "dp.replicas", "dp.inner_steps", "dp.rank",
-    "dp.fragments", "spectral.clean_every", "dp.round_timeout",
+    "dp.fragments", "spectral.clean_every", "dp.round_timeout", "dp.matchmaking_time",
 }
 _NON_NEGATIVE = {
     "train.steps", "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every",
@@ -330,6 +335,9 @@ def _cross_check(cfg: RunConfig) -> None:
         raise ConfigError("mask.fill: 'mean' works with mask.rescale = 'none' only")
     if cfg.anchor.enabled and cfg.anchor.snapshot == "dp" and not cfg.dp.enabled:
         raise ConfigError("anchor.snapshot: 'dp' needs dp.enabled = true (the anchor follows the DP all-reduce)")
+    if cfg.dp.matchmaking_time >= cfg.dp.round_timeout:
+        raise ConfigError(f"dp.matchmaking_time: {cfg.dp.matchmaking_time} s must be below dp.round_timeout "
+                          f"({cfg.dp.round_timeout} s): a round would time out while still gathering its group")
     if len(cfg.train.betas) != 2:
         raise ConfigError(f"train.betas: expected two numbers, got {cfg.train.betas}")
 

@@ -13,8 +13,8 @@ replica's own optimizer steps) the fragments due by :func:`~meshnode.optim.fragm
 The averager averages one flat float32 buffer sized for the largest phase of any fragment; each
 round packs the phase's factors into it (zero padded) and gathers ``(phase, fragment, round)`` so
 mismatched partners are detected (the peer then keeps its own values). A peer alone in its stage,
-or one that finds no partner within the matchmaking window, uses its own factors: a group of one,
-exactly what the mesh does with one replica.
+or one that finds no partner within the matchmaking window (``dp.matchmaking_time``), uses its own
+factors: a group of one, exactly what the mesh does with one replica.
 
 Two schedules:
 
@@ -92,7 +92,7 @@ class DPLogEntry:
 
 class SwarmDP:
     def __init__(self, host, dht, run_id: str, counter, partners: Callable[[], int] = lambda: 1,
-                 matchmaking_time: float = 2.0, round_timeout: float | None = None):
+                 matchmaking_time: float | None = None, round_timeout: float | None = None):
         from hivemind.averaging import DecentralizedAverager
 
         cfg = host.cfg.dp
@@ -109,6 +109,7 @@ class SwarmDP:
         size = max(max(self._phase_sizes(f)) for f in self.frags)
         self.buffer = torch.zeros(size, dtype=torch.float32)
         self.round_timeout = cfg.round_timeout if round_timeout is None else round_timeout
+        self.matchmaking_time = cfg.matchmaking_time if matchmaking_time is None else matchmaking_time
         self.overlap = cfg.overlap
         self.pending: dict[int, asyncio.Task] = {}  # fragment -> background rounds (overlap)
         self.ready: list[tuple[int, dict, dict, tuple]] = []  # (fragment, averaged update, weight snapshot, phases)
@@ -125,7 +126,7 @@ class SwarmDP:
         self.log_base = "pretrained"  # "loaded" once the state came from a checkpoint or a peer
         self.averager = DecentralizedAverager(
             [self.buffer], dht, start=True, prefix=keys.dp_prefix(run_id, host.stage), min_group_size=2,
-            target_group_size=max(2, cfg.replicas), min_matchmaking_time=matchmaking_time, request_timeout=2.0,
+            target_group_size=max(2, cfg.replicas), min_matchmaking_time=self.matchmaking_time, request_timeout=2.0,
             allreduce_timeout=self.round_timeout, allow_state_sharing=False,
         )
 
