@@ -228,12 +228,3 @@ def test_the_overlapped_schedule_logs_each_outer_step_when_it_is_applied():
         torch.testing.assert_close(fol.params["w"], dp.outer.start["w"], atol=2e-2, rtol=1e-2)
 
     asyncio.run(scenario())
-
-
-def test_round_group_bits_separate_phases_and_fragments():
-    from meshnode.node.dp import round_group_bits
-
-    assert round_group_bits(("p", 0), 1) == "0" and round_group_bits(("q", 0), 1) == "1"
-    assert round_group_bits(("q", 0, 7), 1) == "1"  # the blocking schedule's sync number is not in the key
-    keys = {round_group_bits((ph, f), 5) for ph in "pq" for f in range(5)}
-    assert len(keys) == 10 and all(len(k) == 4 and set(k) <= {"0", "1"} for k in keys)

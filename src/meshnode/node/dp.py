@@ -11,9 +11,8 @@ replica's own optimizer steps) the fragments due by :func:`~meshnode.optim.fragm
 3. an outer Nesterov step on the start weights, copied into the live weights.
 
 The averager averages one flat float32 buffer sized for the largest phase of any fragment; each
-round packs the phase's factors into it (zero padded) and matches under a group key of its phase and
-fragment (:func:`round_group_bits`); it also gathers ``(phase, fragment, round)`` so that any mismatched
-partner is still detected (the peer then keeps its own values). A peer alone in its stage,
+round packs the phase's factors into it (zero padded) and gathers ``(phase, fragment, round)`` so
+mismatched partners are detected (the peer then keeps its own values). A peer alone in its stage,
 or one that finds no partner within the matchmaking window (``dp.matchmaking_time``), uses its own
 factors: a group of one, exactly what the mesh does with one replica.
 
@@ -89,15 +88,6 @@ class DPLogEntry:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {**{f"p/{n}": t for n, t in self.p.items()}, **{f"q/{n}": t for n, t in self.q.items()}}
-
-
-def round_group_bits(tag: tuple, n_fragments: int) -> str:
-    """hivemind group-key bits of one averaging round: its phase and fragment. The averager matches only peers
-    under the same key (``{prefix}.0b{bits}``), so a replica in phase P is never grouped with one in phase Q,
-    whose values it would have to throw away after the all-reduce."""
-    phase, fragment = tag[0], tag[1]
-    nbits = (max(1, n_fragments) - 1).bit_length()
-    return ("0" if phase == "p" else "1") + (format(fragment, "b").rjust(nbits, "0") if nbits else "")
 
 
 class SwarmDP:
@@ -259,7 +249,6 @@ class SwarmDP:
             buf[0].zero_()
             buf[0][: flat.numel()].copy_(flat)
         try:
-            await asyncio.to_thread(self.averager.set_group_bits, round_group_bits(tag, len(self.frags)))
             group = await asyncio.to_thread(self.averager.step, gather=list(tag), timeout=self.round_timeout)
         except Exception as exc:
             logger.info("DP round %s failed: %r; keeping own values", tag, exc)
