@@ -156,7 +156,7 @@ def time_scale(cpu_s: float, flops: float, bandwidth_mbit: float, delay_ms: floa
 def variant_overrides(variant: str, *, replicas: int, anchor_key: str, anchor_period: int = 10,
                       dp_inner_steps: int = 10, dp_rank: int = 4, spectral_rank: int = 8,
                       dp_overlap: bool = True, anchor_snapshot: str = "dp", priors: str = "rpc",
-                      dp_matchmaking_s: float = DP_MATCHMAKING_S) -> list[str]:
+                      dp_matchmaking_s: float = DP_MATCHMAKING_S, dp_clock: str = "own") -> list[str]:
     """``--set`` overrides of one variant (the base config is BENCH_TOML)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
@@ -173,7 +173,8 @@ def variant_overrides(variant: str, *, replicas: int, anchor_key: str, anchor_pe
                 f"anchor.priors={json.dumps(priors)}"]
     if variant == "m95_ap_dp":
         out += ["dp.enabled=true", f"dp.inner_steps={dp_inner_steps}", f"dp.rank={dp_rank}",
-                f"anchor.snapshot={json.dumps(anchor_snapshot)}", f"dp.matchmaking_time={dp_matchmaking_s}"]
+                f"anchor.snapshot={json.dumps(anchor_snapshot)}", f"dp.matchmaking_time={dp_matchmaking_s}",
+                f"dp.clock={json.dumps(dp_clock)}"]
         if dp_overlap:
             out += ["dp.overlap=true", f"dp.round_timeout={max(30.0, dp_matchmaking_s + 15.0)}"]
     return out
@@ -524,7 +525,7 @@ def run_variant(net, variant: str, bench: BenchModel, replicas: int, workdir: Pa
                 warmup_s: float, window_s: float, pin: bool, anchor_period: int, dp_inner_steps: int,
                 dp_overlap: bool = True, min_steps: int = 0, max_window_s: float | None = None,
                 anchor_snapshot: str = "dp", spectral_rank: int = 8, priors: str = "rpc",
-                dp_matchmaking_s: float = DP_MATCHMAKING_S, idle_s: float = 0.0) -> dict:
+                dp_matchmaking_s: float = DP_MATCHMAKING_S, dp_clock: str = "own", idle_s: float = 0.0) -> dict:
     """One fresh swarm of ``variant``; measured over ``window_s`` after ``warmup_s``, extended (up to
     ``max_window_s``) until every driver has ``min_steps`` steps in its window.
 
@@ -544,7 +545,7 @@ def run_variant(net, variant: str, bench: BenchModel, replicas: int, workdir: Pa
     overrides = variant_overrides(variant, replicas=replicas, anchor_key=anchor_key, anchor_period=anchor_period,
                                   dp_inner_steps=dp_inner_steps, dp_overlap=dp_overlap,
                                   anchor_snapshot=anchor_snapshot, spectral_rank=spectral_rank, priors=priors,
-                                  dp_matchmaking_s=dp_matchmaking_s)
+                                  dp_matchmaking_s=dp_matchmaking_s, dp_clock=dp_clock)
     if idle_s > 0:
         overrides.append(f"train.steps={IDLE_DRIVER_STEPS}")
     with_anchor = variant in ("m95_ap", "m95_ap_dp")
@@ -873,6 +874,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spectral-rank", type=int, default=8, help="rank of the anchor's published priors")
     ap.add_argument("--dp-matchmaking-s", type=float, default=DP_MATCHMAKING_S,
                     help="m95_ap_dp: dp.matchmaking_time, how long the first replica at a round waits for partners")
+    ap.add_argument("--dp-clock", choices=("own", "driver"), default="own",
+                    help="m95_ap_dp: dp.clock, what counts the inner steps between syncs")
     ap.add_argument("--priors", choices=("rpc", "dht"), default="rpc",
                     help="anchor.priors: the anchor serves its factors itself (rpc) or stores them in the DHT (dht)")
     ap.add_argument("--dp-inner-steps", type=int, default=10)
@@ -969,7 +972,8 @@ def main(argv: list[str] | None = None) -> int:
                                   dp_inner_steps=args.dp_inner_steps, dp_overlap=not args.dp_blocking,
                                   min_steps=args.min_steps, max_window_s=args.max_window_s,
                                   anchor_snapshot=args.anchor_snapshot, spectral_rank=args.spectral_rank,
-                                  priors=args.priors, dp_matchmaking_s=args.dp_matchmaking_s)
+                                  priors=args.priors, dp_matchmaking_s=args.dp_matchmaking_s,
+                                  dp_clock=args.dp_clock)
             except Exception as exc:  # one failed variant must not lose the others
                 logger.error("%s failed: %s", v, exc)
                 results[v] = {"error": str(exc)}
@@ -992,7 +996,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "anchor_period": args.anchor_period, "dp_overlap": not args.dp_blocking,
                                    "background_bytes_per_s": background, "retrans_share": retrans,
                                    "link_mbit_available": avail, "priors": args.priors if v in ("m95_ap", "m95_ap_dp")
-                                   else None, "dp_matchmaking_s": args.dp_matchmaking_s,
+                                   else None, "dp_matchmaking_s": args.dp_matchmaking_s, "dp_clock": args.dp_clock,
                                    "anchor_snapshot": "dp" if follows_dp else "full" if v in ("m95_ap", "m95_ap_dp")
                                    else None}
             res["link_utilisation"] = {

@@ -40,6 +40,7 @@ def test_overrides_and_run_id():
         ({}, ["anchor.priors=\"ipfs\""], "anchor.priors: 'ipfs' is not one of"),
         ({}, ["dp.matchmaking_time=20.0"], "dp.matchmaking_time: 20.0 s must be below dp.round_timeout"),
         ({}, ["dp.matchmaking_time=0"], "dp.matchmaking_time: must be > 0"),
+        ({}, ["dp.clock=\"wall\""], "dp.clock: 'wall' is not one of"),
     ],
 )
 def test_bad_config_names_key(data, overrides, message):

@@ -43,6 +43,7 @@ def _dp(params, release: asyncio.Event, calls: list):
     dp.outer = OuterNesterov(params, lr=0.5, momentum=0.0)
     dp.psgd = _ExactPowerSGD()
     dp.overlap = True
+    dp.clock, dp._periods = None, []
     dp.pending, dp.ready = {}, []
     dp.skipped = dp.syncs = 0
     dp.group_sizes = []
@@ -84,6 +85,29 @@ def test_overlapped_sync_does_not_block_and_keeps_local_progress():
         assert torch.allclose(w, new_start + progress)
         assert torch.allclose(dp.outer.start["w"], new_start)
         assert not dp.ready and not dp.pending
+
+    asyncio.run(scenario())
+
+
+def test_overlapped_schedule_on_the_shared_driver_clock():
+    """dp.clock = driver: syncs start when the shared clock crosses a period, whatever this replica's own steps."""
+    async def scenario():
+        params = {"w": torch.zeros(2, 2)}
+        release, calls = asyncio.Event(), []
+        dp = _dp(params, release, calls)
+        clock = [1]
+        dp.clock = lambda: clock[0]
+        await dp.after_step(1)
+        await dp.after_step(2)  # own step 2 would be due (H = 2); the clock still says 1
+        assert not calls and not dp.pending
+        clock[0] = 5  # the leading driver is ahead: this replica syncs with it now
+        await dp.after_step(3)
+        assert 0 in dp.pending
+        release.set()
+        await asyncio.wait_for(dp.pending[0], 1.0)
+        assert calls == [("p", 0), ("q", 0)]
+        await dp.after_step(4)  # applied at the next boundary; the clock has not moved: nothing new
+        assert dp.syncs == 1 and not dp.pending and len(calls) == 2
 
     asyncio.run(scenario())
 

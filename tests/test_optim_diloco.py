@@ -138,3 +138,24 @@ def test_sync_schedule_is_staggered() -> None:
     assert syncs[1] == [2, 12, 22, 32]
     assert syncs[3] == [7, 17, 27, 37]
     assert fragments_due(0, H, offsets) == []
+
+
+def test_fragments_due_by_clock_matches_own_steps_and_handles_jumps():
+    from meshnode.optim import fragments_due_by_clock
+
+    for H, F in [(10, 1), (10, 2), (5, 3), (1, 1), (4, 4)]:
+        offs = sync_schedule(H, F)
+        last: list[int] = []
+        by_clock = {t: fragments_due_by_clock(t, H, offs, last) for t in range(1, 50)}
+        assert by_clock == {t: fragments_due(t, H, offs) for t in range(1, 50)}, (H, F)
+    # a clock that jumps (steps seen late): one sync per period passed over, never a burst
+    last = []
+    assert fragments_due_by_clock(1, 10, [0, 5], last) == []
+    assert fragments_due_by_clock(7, 10, [0, 5], last) == [1]
+    assert fragments_due_by_clock(31, 10, [0, 5], last) == [0, 1] and last == [3, 2]
+    assert fragments_due_by_clock(31, 10, [0, 5], last) == [] and fragments_due_by_clock(34, 10, [0, 5], last) == []
+    assert fragments_due_by_clock(35, 10, [0, 5], last) == [1]
+    # a peer that joins mid-run waits for the next boundary
+    last = []
+    assert fragments_due_by_clock(137, 10, [0], last) == [] and fragments_due_by_clock(139, 10, [0], last) == []
+    assert fragments_due_by_clock(140, 10, [0], last) == [0]

@@ -139,6 +139,7 @@ def test_anchor_follows_dp_instead_of_fetching_weights(swarm_factory, tmp_path, 
         f"train.steps={steps}", "dp.enabled=true", "dp.replicas=2", "dp.inner_steps=3", "dp.rank=4",
         "dp.round_timeout=10.0", "dp.overlap=true", f"anchor.allowed_keys=[{json.dumps(anchor_key)}]",
         "anchor.priors=\"dht\"",  # the factors as DHT values (test_three_stages_and_anchor: served by the anchor)
+        "dp.clock=\"driver\"",  # stage 1's replicas count their syncs on the driver's steps
     ])
     sw.start("s1a", "--stage", "1")
     sw.start("s1b", "--stage", "1", wait=False)

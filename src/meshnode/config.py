@@ -169,6 +169,11 @@ class DPConfig:
     # with dp.overlap a window of about dp.inner_steps step times pairs them every sync; it only delays the
     # outer step. Must be below dp.round_timeout.
     matchmaking_time: float = 2.0
+    # Swarm, with dp.overlap: what counts the inner steps between syncs. "own" = this replica's optimizer
+    # steps (replicas drift apart and reach their syncs at different times); "driver" = the newest driver
+    # step this peer knows (from the microbatches it serves and the drivers' records), a clock the replicas
+    # of a stage share, so that they start each sync within a few seconds of each other.
+    clock: str = "own"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -210,6 +215,7 @@ _CHOICES = {
     "spectral.ema_init": ("first", "zero"),
     "anchor.snapshot": ("full", "dp"),
     "anchor.priors": ("rpc", "dht"),
+    "dp.clock": ("own", "driver"),
     "model.tokenizer": ("model", "bytes"),
     "model.dtype": ("float32", "bfloat16", "float16"),
 }

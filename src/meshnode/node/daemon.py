@@ -42,7 +42,7 @@ from ..protocol.records import PeerRecord
 from ..protocol.servicer import RPCServicer, StageServicer, stream_rpc
 from .claim import choose_stage
 from .host import StageHost
-from .status import swarm_health
+from .status import driver_step, swarm_health
 from .swarm import ChainError, SwarmClient, SwarmError, start_dht
 
 logger = logging.getLogger(__name__)
@@ -274,6 +274,12 @@ class SwarmNode:
             steps = [p.driver_step or 0 for p in self.swarm.peers if p.role == "driver" and p.state == "online"]
             self.driver_step = max([self.driver_step, host.opt_step, *steps])
 
+    def _dp_clock(self) -> int:
+        """The newest driver step this peer knows: its own (a driver), the microbatches it served, the records."""
+        host = self.host
+        return max(self.driver_step if self.role == "driver" else 0, host.driver_step if host else 0,
+                   driver_step(self.swarm.peers) if self.swarm else 0)
+
     async def _fetch_state(self, peer_id: str) -> bytes:
         from hivemind.p2p import PeerID
 
@@ -304,7 +310,7 @@ class SwarmNode:
             from .dp import SwarmDP
 
             self.host.dp = SwarmDP(self.host, self.swarm.dht, self.run_id, self.counter,
-                                   partners=lambda: len(self.swarm.candidates(self.stage)))
+                                   partners=lambda: len(self.swarm.candidates(self.stage)), clock=self._dp_clock)
             self.host.after_step_hooks.append(self.host.dp.after_step)
         await self._load_initial_state(ckpt)
         self.servicer = StageServicer(self.host, self.host.limits.max_message_bytes)

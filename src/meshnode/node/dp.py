@@ -31,6 +31,9 @@ Two schedules:
   are tagged with (phase, fragment) only: replicas of a stage past stage 0 count their own optimizer
   steps (one that serves more microbatches steps more often), so neither step numbers nor sync counts
   line up between partners; whoever is in the same phase of the same fragment averages together.
+  With ``dp.clock = "driver"`` the inner steps are counted on the newest driver step the peer knows
+  instead (the microbatches it serves carry it; drivers read each other's records), a clock the
+  replicas share, so that they reach each sync together (:func:`~meshnode.optim.fragments_due_by_clock`).
 
 Bytes on the ``dp`` axis: what the butterfly all-reduce sends per round, ``2 (g-1)/g`` times the
 buffer for a group of g peers.
@@ -61,7 +64,7 @@ from dataclasses import dataclass
 import torch
 
 from ..compression import PowerSGDState, compressed_rank, orthonormalize, powersgd_decode
-from ..optim import OuterNesterov, fragments, fragments_due, sync_schedule
+from ..optim import OuterNesterov, fragments, fragments_due, fragments_due_by_clock, sync_schedule
 from ..protocol import keys
 
 logger = logging.getLogger(__name__)
@@ -92,7 +95,8 @@ class DPLogEntry:
 
 class SwarmDP:
     def __init__(self, host, dht, run_id: str, counter, partners: Callable[[], int] = lambda: 1,
-                 matchmaking_time: float | None = None, round_timeout: float | None = None):
+                 matchmaking_time: float | None = None, round_timeout: float | None = None,
+                 clock: Callable[[], int] | None = None):
         from hivemind.averaging import DecentralizedAverager
 
         cfg = host.cfg.dp
@@ -111,6 +115,9 @@ class SwarmDP:
         self.round_timeout = cfg.round_timeout if round_timeout is None else round_timeout
         self.matchmaking_time = cfg.matchmaking_time if matchmaking_time is None else matchmaking_time
         self.overlap = cfg.overlap
+        # dp.clock = "driver" (overlap only): syncs counted on the newest driver step this peer knows
+        self.clock = clock if cfg.clock == "driver" and cfg.overlap else None
+        self._periods: list[int] = []  # the clock period each fragment last synced in
         self.pending: dict[int, asyncio.Task] = {}  # fragment -> background rounds (overlap)
         self.ready: list[tuple[int, dict, dict, tuple]] = []  # (fragment, averaged update, weight snapshot, phases)
         self.skipped = 0
@@ -149,7 +156,11 @@ class SwarmDP:
                 await self.sync(f)
             return
         await self.apply_ready()
-        for f in fragments_due(opt_step, self.H, self.offsets):
+        if self.clock is not None:
+            due = fragments_due_by_clock(int(self.clock()), self.H, self.offsets, self._periods)
+        else:
+            due = fragments_due(opt_step, self.H, self.offsets)
+        for f in due:
             if f in self.pending:
                 self.skipped += 1
                 logger.info("DP fragment %d: previous sync still running at step %d; skipping this turn", f, opt_step)

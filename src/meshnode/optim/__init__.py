@@ -4,7 +4,7 @@ EMA/SVD prior, the DiLoCo outer step with streaming fragments, and the learning-
 Pure tensor code: nothing here imports networking (DESIGN.md section 2).
 """
 
-from meshnode.optim.diloco import OuterNesterov, fragments, fragments_due, sync_schedule
+from meshnode.optim.diloco import OuterNesterov, fragments, fragments_due, fragments_due_by_clock, sync_schedule
 from meshnode.optim.schedule import lr_at
 from meshnode.optim.spectral import (
     EMA_INITS,
@@ -18,5 +18,5 @@ from meshnode.optim.spectral import (
 
 __all__ = [
     "EMA_INITS", "MODES", "OuterNesterov", "PriorError", "SpectralAdamW", "SpectralFilter", "fragments",
-    "fragments_due", "is_targeted", "lr_at", "sync_schedule", "truncated_svd",
+    "fragments_due", "fragments_due_by_clock", "is_targeted", "lr_at", "sync_schedule", "truncated_svd",
 ]

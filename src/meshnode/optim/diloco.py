@@ -188,4 +188,24 @@ def fragments_due(step: int, H: int, offsets: Sequence[int]) -> list[int]:
     return [f for f, off in enumerate(offsets) if (step - off) % H == 0]
 
 
-__all__ = ["OuterNesterov", "fragments", "fragments_due", "sync_schedule"]
+def fragments_due_by_clock(clock: int, H: int, offsets: Sequence[int], last: list[int] | None) -> list[int]:
+    """Fragments due at ``clock``, a step count shared by peers that may jump by several steps at once.
+
+    Fragment f belongs to period ``(clock - offset_f) // H``; it is due when its period has passed the one it
+    last synced in, ``last[f]`` (updated in place). A jump over several periods is one sync. ``last`` empty:
+    the first call only records the periods (a peer joining mid-run waits for the next boundary); at the
+    start of a run (clock 1) this gives the same steps as :func:`fragments_due`.
+    """
+    periods = [(clock - off) // H for off in offsets]
+    if not last:
+        base = clock - 1 if clock <= 1 else clock  # at the run's first step that step itself may be due
+        last[:] = [(base - off) // H for off in offsets]
+    due = []
+    for f, period in enumerate(periods):
+        if period > last[f]:
+            last[f] = period
+            due.append(f)
+    return due
+
+
+__all__ = ["OuterNesterov", "fragments", "fragments_due", "fragments_due_by_clock", "sync_schedule"]
