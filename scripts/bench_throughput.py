@@ -296,6 +296,11 @@ def wave_tokens_per_s(pred: perf.Prediction, bench: BenchModel, drivers: int, de
 FWD_SHARE = 1 / 3  # forward : backward compute = 1 : 2 (the backward computes two matmuls per forward one)
 
 
+def holders_for(priors: str | None) -> int:
+    """Where the event model sends each prior: straight to the stage's replicas (rpc: 0) or to DHT holders."""
+    return 0 if priors == "rpc" else DHT_REPLICAS
+
+
 def simulate_variant(variant: str, bench: BenchModel, replicas: int, compute_s: list[float], sizes: WireSizes,
                      link_mbit: float, delay_ms: float, *, dp_inner_steps: int = 10, anchor_period: int = 10,
                      dp_overlap: bool = True, steps: int = 30,
@@ -359,7 +364,7 @@ def _sim_of(result: dict, variant: str, overhead_s: float, link_mbit: float | st
                             anchor_period=mi["anchor_period"], dp_overlap=mi.get("dp_overlap", False),
                             steps=model_steps(r) if steps is None else steps, message_overhead_s=overhead_s,
                             background_bytes_per_s=background,
-                            prior_holders=0 if mi.get("priors") == "rpc" else DHT_REPLICAS,
+                            prior_holders=holders_for(mi.get("priors")),
                             dp_matchmaking_s=mi.get("dp_matchmaking_s", DP_MATCHMAKING_S))
 
 
@@ -987,7 +992,7 @@ def main(argv: list[str] | None = None) -> int:
             sim = simulate_variant(v, bench, args.replicas, cmb, vs, rate, args.delay_ms,
                                    dp_inner_steps=args.dp_inner_steps, anchor_period=args.anchor_period,
                                    dp_overlap=not args.dp_blocking, message_overhead_s=overhead,
-                                   steps=model_steps(res), prior_holders=0 if args.priors == "rpc" else DHT_REPLICAS,
+                                   steps=model_steps(res), prior_holders=holders_for(args.priors),
                                    dp_matchmaking_s=args.dp_matchmaking_s)
             record_predictions(res, sim, pred, wave_tokens_per_s(pred, bench, args.replicas, args.delay_ms))
             res["model_inputs"] = {"compute_s_per_microbatch": cmb, "pp_fwd_bytes": fwd, "pp_bwd_bytes": bwd,

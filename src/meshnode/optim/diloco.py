@@ -188,7 +188,7 @@ def fragments_due(step: int, H: int, offsets: Sequence[int]) -> list[int]:
     return [f for f, off in enumerate(offsets) if (step - off) % H == 0]
 
 
-def fragments_due_by_clock(clock: int, H: int, offsets: Sequence[int], last: list[int] | None) -> list[int]:
+def fragments_due_by_clock(clock: int, H: int, offsets: Sequence[int], last: list[int]) -> list[int]:
     """Fragments due at ``clock``, a step count shared by peers that may jump by several steps at once.
 
     Fragment f belongs to period ``(clock - offset_f) // H``; it is due when its period has passed the one it
