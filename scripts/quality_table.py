@@ -82,6 +82,12 @@ VARIANTS: dict[str, list[str]] = {
     "rotq2": ["mask.codec=rotq", "mask.bits=2"],
     "rotq1": ["mask.codec=rotq", "mask.bits=1"],
     "rotq2_dp": ["mask.codec=rotq", "mask.bits=2", *DP],
+    # the same, each channel weighted before the rotation (mask.rotq_weight): by the receiving layer's input norm
+    # gains (norm), or by sqrt(gain / channel std) (norm_std)
+    "rotq2_norm": ["mask.codec=rotq", "mask.bits=2", "mask.rotq_weight=norm"],
+    "rotq4_ns": ["mask.codec=rotq", "mask.bits=4", "mask.rotq_weight=norm_std"],
+    "rotq2_ns": ["mask.codec=rotq", "mask.bits=2", "mask.rotq_weight=norm_std"],
+    "rotq1_ns": ["mask.codec=rotq", "mask.bits=1", "mask.rotq_weight=norm_std"],
     "m75_mean": ["mask.ratio=0.75", "mask.fill=mean"],
 }
 TABLE = ["dense", "dense_dp", "m90", "m90_ap", "m95", "m95_ap", "m95_ap_dp", "topk", "int8"]

@@ -9,6 +9,7 @@ import torch
 
 from meshnode.compression import (
     HEADER_BYTES,
+    BoundaryContext,
     ByteCounter,
     EncodedPayload,
     PayloadError,
@@ -142,3 +143,72 @@ def test_config_keys():
     assert codec.bits == 4 and not codec.center
     with pytest.raises(ConfigError, match="mask.bits"):
         load_config(tiny, ["mask.codec=rotq", "mask.bits=3"])
+
+
+def _gain_weighted_mse(y, x, gain):
+    centred = x - x.mean(dim=(0, 1))
+    return float(((y - x) * gain).pow(2).sum() / (centred * gain).pow(2).sum())
+
+
+def test_channel_weights_move_the_error_to_channels_the_next_norm_ignores():
+    # channels of very different spread, and a next-layer norm that reads some channels 20x less than the others;
+    # as in SmolLM2's residual stream, the widest channels are among those the norm damps
+    gen = torch.Generator().manual_seed(3)
+    spread = torch.logspace(-1, 1, 576)[torch.randperm(576, generator=gen)]
+    x = _gauss(b=2, t=64) * spread + 2.0
+    gain = torch.where((spread > 3.0) | (torch.rand(576, generator=gen) < 0.2), 0.05, 1.0)
+    errs = {}
+    for mode in ("none", "norm", "norm_std"):
+        codec = RotQuantCodec(2, weight=mode)
+        ctx = BoundaryContext(gain=gain)
+        payload = codec.encode(x, ctx)
+        errs[mode] = _gain_weighted_mse(codec.decode(payload), x, gain)
+        assert codec.forward_nbytes(2, 64, 576) == sum(t.numel() * t.element_size() for t in payload.tensors.values())
+    assert errs["norm"] < 0.5 * errs["none"]
+    assert errs["norm_std"] < 0.9 * errs["norm"]
+    # without the gains the weights still follow the channels' spread (norm_std) or are flat (norm)
+    flat = RotQuantCodec(2, weight="norm").encode(x)
+    assert torch.allclose(flat.tensors["weight"].float(), torch.ones(576), atol=1e-2)
+
+
+def test_weighted_payloads_are_checked():
+    codec = RotQuantCodec(2, weight="norm_std")
+    p = codec.encode(_gauss(b=1, t=4, h=64), BoundaryContext(gain=torch.rand(64) + 0.1))
+    assert set(p.tensors) == {"codes", "rms", "mean", "weight"}
+    assert codec.decode_grad(codec.encode_grad(_gauss(b=1, t=4, h=64))).shape == (1, 4, 64)  # gradients unweighted
+    with pytest.raises(PayloadError, match="weight"):
+        codec.decode(_replace(p, weight=torch.zeros(64, dtype=torch.bfloat16)))
+    with pytest.raises(PayloadError, match="weight"):
+        codec.decode(_replace(p, weight=torch.full((64,), 1e4, dtype=torch.bfloat16)))
+    with pytest.raises(PayloadError, match="non-finite"):
+        codec.decode(_replace(p, weight=torch.full((64,), float("inf"), dtype=torch.bfloat16)))
+    with pytest.raises(PayloadError, match="tensors"):
+        unweighted = {k: v for k, v in p.tensors.items() if k != "weight"}
+        codec.decode(EncodedPayload(**{**p.__dict__, "tensors": unweighted}))
+    with pytest.raises(PayloadError, match="weight"):
+        RotQuantCodec(2).decode(p)  # a boundary that does not weight refuses a weighted payload
+    with pytest.raises(ValueError, match="gain"):
+        codec.encode(_gauss(b=1, t=4, h=64), BoundaryContext(gain=torch.ones(63)))
+    with pytest.raises(ValueError, match="weight"):
+        RotQuantCodec(2, weight="sqrt")
+
+
+def test_stages_carry_the_next_layers_input_norm_gains():
+    from meshnode.model import build_tiny, cut_model
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml", ["model.stages=3"])
+    model = build_tiny(cfg.model)
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            layer.input_layernorm.weight.fill_(0.5 + i)
+    stages = cut_model(model, 3)
+    for s in (0, 1):
+        nxt = stages[s + 1].layer_range[0]
+        assert torch.equal(stages[s].next_input_gain, torch.full_like(stages[s].next_input_gain, 0.5 + nxt))
+        assert "next_input_gain" not in stages[s].state_dict()
+    assert stages[2].next_input_gain is None
+    cfg2 = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml", ["mask.codec=rotq",
+                                                                                         "mask.rotq_weight=norm_std"])
+    assert make_codec(cfg2.mask).weight == "norm_std"
+    with pytest.raises(ConfigError, match="rotq_weight"):
+        load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml", ["mask.rotq_weight=gains"])

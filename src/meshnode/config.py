@@ -107,6 +107,9 @@ class MaskConfig:
     codec: str = "mask"  # mask | topk | int8 | int4 | rotq | dense  (rotq: rotated low-bit, see compression)
     bits: int = 2  # rotq: bits per channel (1 | 2 | 4)
     rotq_center: bool = True  # rotq: subtract the microbatch's channel means before quantising
+    # rotq: per-channel weights applied before the rotation (sent in the payload, undone by the receiver):
+    # "none"; "norm" = the receiving layer's input RMSNorm gains; "norm_std" = sqrt(gain / channel std).
+    rotq_weight: str = "none"
     topk_ratio: float = 0.1  # fraction of channels kept by the top-k baseline
     wire_dtype: str = "bfloat16"  # bfloat16 | float16 | float32
     version: int = 0
@@ -210,6 +213,7 @@ _CHOICES = {
     "mask.fill": ("zero", "mean"),
     "mask.codec": ("mask", "topk", "int8", "int4", "rotq", "dense"),
     "mask.bits": (1, 2, 4),
+    "mask.rotq_weight": ("none", "norm", "norm_std"),
     "mask.wire_dtype": ("bfloat16", "float16", "float32"),
     "spectral.mode": ("filter", "clean_every", "delayed_ef", "bias_correction"),
     "spectral.ema_init": ("first", "zero"),

@@ -61,6 +61,8 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
 }
 _DENSE_DTYPES: dict[str, torch.dtype] = {**WIRE_DTYPES, "float64": torch.float64}
 RESCALE_MODES = ("none", "inv_keep", "rms")
+ROTQ_WEIGHTS = ("none", "norm", "norm_std")
+ROTQ_WEIGHT_RANGE = 64.0  # channel weights are normalised to rms 1 and clipped to [1/64, 64]
 FILL_MODES = ("zero", "mean")
 ACTIVATION, GRAD = "activation", "grad"
 
@@ -130,6 +132,7 @@ class BoundaryContext:
 
     key: MaskKey | None = None
     row_offset: int = 0
+    gain: Tensor | None = None  # sender side: the receiving layer's input norm gains (H,), for rotq weighting
     indices: Tensor | None = None  # (B, T, K) int64
     scale: Tensor | None = None  # (B, T) float32
 
@@ -577,25 +580,63 @@ class RotQuantCodec(_SameBothWays):
     residual stream's large, nearly constant channels then cost nothing, and the quantiser's step
     follows what varies. The gradient is quantised as is (the centring is exact, so it passes the
     gradient through unchanged).
+
+    ``weight`` shapes the activation's error over the channels: the sender multiplies channel c by
+    ``w_c`` before the rotation and the receiver divides by it after, so the (rotation-flattened)
+    quantisation error lands on channel c scaled by ``1 / w_c``. The receiving layer reads the boundary
+    through an RMSNorm with gains ``g``, so an error in channel c costs in proportion to ``g_c``:
+    ``"norm"`` uses ``w = |g|``; ``"norm_std"`` uses ``w = sqrt(|g| / std_c)`` (std over the microbatch's
+    tokens), which minimises the gain-weighted error for a given total (Cauchy-Schwarz). The gains are
+    the sender's copy of the receiving layer's (``BoundaryContext.gain``: the pretrained values, which
+    every peer loads; without them ``g = 1``). ``w`` is normalised to rms 1, clipped to [1/64, 64] and
+    sent in the wire dtype (H values), so the receiver needs nothing but the payload. The gradient is
+    not weighted.
     """
 
     name = "rotq"
 
-    def __init__(self, bits: int = 2, center: bool = True, wire_dtype: str = "bfloat16", seed: int = 0) -> None:
+    def __init__(self, bits: int = 2, center: bool = True, wire_dtype: str = "bfloat16", seed: int = 0,
+                 weight: str = "none") -> None:
         super().__init__(wire_dtype)  # the dtype of the channel means; codes are uint8, the rms float32
         if bits not in ROTQ_BITS:
             raise ValueError(f"rotq bits must be one of {', '.join(map(str, ROTQ_BITS))}, got {bits}")
+        if weight not in ROTQ_WEIGHTS:
+            raise ValueError(f"rotq weight must be one of {', '.join(ROTQ_WEIGHTS)}, got {weight!r}")
         self.bits = int(bits)
         self.center = bool(center)
         self.seed = int(seed)
+        self.weight = weight
 
     def describe(self) -> str:
-        return f"rotq({self.bits} bit{', centred' if self.center else ''})"
+        extra = (", centred" if self.center else "") + (
+            f", weighted by {self.weight}" if self.weight != "none" else "")
+        return f"rotq({self.bits} bit{extra})"
 
     def _meta(self) -> dict[str, Any]:
-        return {"bits": self.bits, "seed": self.seed, "center": self.center}
+        return {"bits": self.bits, "seed": self.seed, "center": self.center, "weight": self.weight}
 
-    def _encode(self, kind: str, x: Tensor) -> EncodedPayload:
+    def encode(self, x: Tensor, ctx: BoundaryContext | None = None) -> EncodedPayload:
+        return self._encode(ACTIVATION, x, ctx.gain if ctx is not None else None)
+
+    def channel_weights(self, z: Tensor, gain: Tensor | None) -> Tensor:  # z (B, T, H) float32 -> (H,) wire dtype
+        """The per-channel weights of :attr:`weight` for the (centred) activation ``z``, as they travel."""
+        h = z.shape[-1]
+        if gain is None:
+            g = torch.ones(h, device=z.device)
+        else:
+            if tuple(gain.shape) != (h,):
+                raise ValueError(f"rotq gain must have shape ({h},), got {tuple(gain.shape)}")
+            g = gain.detach().to(device=z.device, dtype=torch.float32).abs()
+        w = g
+        if self.weight == "norm_std":
+            std = z.square().mean(dim=(0, 1)).sqrt()
+            w = (g / std.clamp_min(1e-6 * float(std.max()) + 1e-30)).sqrt()
+        w = torch.nan_to_num(w, nan=1.0, posinf=1.0)
+        rms = w.square().mean().sqrt()
+        w = w / rms if float(rms) > 0 else torch.ones_like(w)
+        return w.clamp(1.0 / ROTQ_WEIGHT_RANGE, ROTQ_WEIGHT_RANGE).to(self.wire_dtype)
+
+    def _encode(self, kind: str, x: Tensor, gain: Tensor | None = None) -> EncodedPayload:
         _dense_shape(x)
         tensors: dict[str, Tensor] = {}
         z = x.detach().float()
@@ -603,6 +644,10 @@ class RotQuantCodec(_SameBothWays):
             mean = z.mean(dim=(0, 1)).to(self.wire_dtype)  # (H,), rounded as it travels
             tensors["mean"] = mean
             z = z - mean.float()
+        if self.weight != "none" and kind == ACTIVATION:
+            w = self.channel_weights(z, gain)
+            tensors["weight"] = w
+            z = z * w.float()
         codes, rms = rotq_encode(z, self.bits, self.seed)
         tensors.update(codes=codes, rms=rms)
         return self._payload(kind, x, tensors, self._meta())
@@ -613,20 +658,29 @@ class RotQuantCodec(_SameBothWays):
             raise PayloadError(f"payload quantised with {payload.meta}, this boundary uses {self._meta()}")
         specs = {"codes": ((b, t, packed_width(h, self.bits)), torch.uint8), "rms": ((b, t), torch.float32)}
         centred = self.center and kind == ACTIVATION
+        weighted = self.weight != "none" and kind == ACTIVATION
         if centred:
             specs["mean"] = ((h,), self.wire_dtype)
+        if weighted:
+            specs["weight"] = ((h,), self.wire_dtype)
         self._tensors(payload, specs)
         p = payload.tensors
         if bool((p["rms"] < 0).any()):
             raise PayloadError("payload tensor 'rms' has negative values")
+        if weighted:
+            w = p["weight"].float()
+            if bool(((w < 1.0 / ROTQ_WEIGHT_RANGE * 0.99) | (w > ROTQ_WEIGHT_RANGE * 1.01)).any()):
+                raise PayloadError(f"payload tensor 'weight' outside [1/{ROTQ_WEIGHT_RANGE:g}, {ROTQ_WEIGHT_RANGE:g}]")
         y = rotq_decode(p["codes"], p["rms"], self.bits, h, self.seed)
+        if weighted:
+            y = y / w
         if centred:
             y = y + p["mean"].float()
         return y.to(_DENSE_DTYPES[payload.dtype])
 
     def forward_nbytes(self, batch: int, seq: int, hidden: int) -> int:
-        mean = hidden * self.wire_dtype.itemsize if self.center else 0
-        return rotq_nbytes(batch * seq, hidden, self.bits) + mean
+        per_channel = int(self.center) + int(self.weight != "none")  # means, weights: H values each
+        return rotq_nbytes(batch * seq, hidden, self.bits) + per_channel * hidden * self.wire_dtype.itemsize
 
     def backward_nbytes(self, batch: int, seq: int, hidden: int) -> int:
         return rotq_nbytes(batch * seq, hidden, self.bits)
@@ -654,7 +708,7 @@ def make_codec(mask_cfg: MaskConfig, *, step: int | None = None) -> BoundaryCode
     if kind in ("int8", "int4"):
         return QuantCodec(int(kind[3:]))
     if kind == "rotq":
-        return RotQuantCodec(mask_cfg.bits, mask_cfg.rotq_center, mask_cfg.wire_dtype)
+        return RotQuantCodec(mask_cfg.bits, mask_cfg.rotq_center, mask_cfg.wire_dtype, weight=mask_cfg.rotq_weight)
     raise ValueError(f"unknown boundary codec {kind!r} (mask | topk | int8 | int4 | rotq | dense)")
 
 
@@ -697,7 +751,8 @@ def simulate_transfer(
 
 
 __all__ = [
-    "RESCALE_MODES", "WIRE_DTYPES", "BoundaryCodec", "BoundaryContext", "DenseCodec", "EncodedPayload", "MaskCodec",
+    "RESCALE_MODES", "ROTQ_WEIGHTS", "WIRE_DTYPES", "BoundaryCodec", "BoundaryContext", "DenseCodec", "EncodedPayload",
+    "MaskCodec",
     "PayloadError", "QuantCodec", "TopKCodec", "gather_kept", "make_codec", "masked_boundary", "rms_scale",
     "scatter_kept", "simulate_transfer",
 ]

@@ -63,9 +63,15 @@ class StageModule(nn.Module):
         embed_tokens: nn.Module | None = None,
         norm: nn.Module | None = None,
         lm_head: nn.Module | None = None,
+        next_input_gain: Tensor | None = None,
     ):
         super().__init__()
         self.index, self.num_stages, self.layer_range = index, num_stages, tuple(layer_range)
+        # A copy of the next stage's first input RMSNorm gains, as loaded (not trained here, not saved): the
+        # boundary codec may weight its error by them (``mask.rotq_weight``).
+        self.next_input_gain: Tensor | None
+        self.register_buffer("next_input_gain", None if next_input_gain is None else
+                             next_input_gain.detach().float().clone(), persistent=False)
         self.embed_tokens = embed_tokens
         self.layers = nn.ModuleList(layers)
         self.rotary_emb = rotary_emb
@@ -131,8 +137,15 @@ def cut_model(
             embed_tokens=core.embed_tokens if s == 0 else None,
             norm=core.norm if last else None,
             lm_head=lm_head,
+            next_input_gain=None if last else _input_norm_gain(core.layers[stop]),
         )
     return out
+
+
+def _input_norm_gain(layer: nn.Module) -> Tensor | None:
+    norm = getattr(layer, "input_layernorm", None)
+    weight = getattr(norm, "weight", None)
+    return weight if isinstance(weight, Tensor) else None
 
 
 def stage_state_dict(stage: StageModule) -> dict[str, Tensor]:

@@ -158,7 +158,7 @@ class StageWorker:
             self.step_stats.microbatches += 1
             self.step_stats.tokens += tokens
             return loss.item() * self.cfg.train.microbatches
-        ctx_out = BoundaryContext(key=self._mask_key(mb, self.index))
+        ctx_out = BoundaryContext(key=self._mask_key(mb, self.index), gain=self.module.next_input_gain)
         payload = codec.encode(out.detach(), ctx_out)
         self.counter.add(self._axis("pp_fwd"), payload_bytes(payload))
         self.in_flight[mb] = _InFlight(x if not self.is_first else None, out, ctx_out, ctx_in, tokens)
