@@ -471,6 +471,7 @@ class Peer:
     metrics: Path
     role: str
     stage: int
+    trace: Path | None = None
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -497,13 +498,41 @@ class Peer:
             self.proc.wait(5)
 
     def records(self) -> list[dict]:
-        if not self.metrics.is_file():
-            return []
-        out = []
-        for line in self.metrics.read_text().splitlines():
-            with contextlib.suppress(ValueError):
-                out.append(json.loads(line))
-        return out
+        return _json_lines(self.metrics)
+
+    def traces(self) -> list[dict]:
+        return _json_lines(self.trace) if self.trace is not None else []
+
+
+def _json_lines(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+def message_timing(peers: list[Peer], t0: float, t1: float) -> dict[str, float]:
+    """Medians of the drivers' calls to stage 1 that started in [t0, t1], from the peers' trace records: forward
+    transit (send to the server's handler), serving time, the gradient's transit and the round trip (seconds;
+    every peer runs on this host's clock). Matched by (driver, step, microbatch) and time."""
+    serves: dict[tuple, list[dict]] = {}
+    for p in peers:
+        for r in p.traces():
+            if r.get("kind") == "serve" and r.get("stage") == 1:
+                serves.setdefault((r["driver"], r["step"], r["mb"]), []).append(r)
+    calls = []
+    for p in peers:
+        for c in p.traces():
+            if c.get("kind") != "call" or c.get("stage") != 0 or not t0 <= c["t_call"] <= t1:
+                continue
+            match = [s for s in serves.get((c["driver"], c["step"], c["mb"]), [])
+                     if c["t_call"] <= s["t_in"] and s["t_out"] <= c["t_back"]]
+            if match:
+                calls.append({**c, "t_in": match[-1]["t_in"], "t_out": match[-1]["t_out"]})
+    return perf_sim.call_timing(calls)
 
 
 def _tail(path: Path, n: int = 12) -> str:
@@ -559,20 +588,22 @@ def run_variant(net, variant: str, bench: BenchModel, replicas: int, workdir: Pa
 
     def start(name: str, ns_index: int, role: str, stage: int, initial: list[str], extra: list[str]) -> Peer:
         log, ready, metrics = vdir / f"{name}.log", vdir / f"{name}.ready.json", vdir / f"{name}.metrics.jsonl"
+        trace = vdir / f"{name}.trace.jsonl"
         argv = [sys.executable, "-m", "meshnode.cli", "-v", "join", "--config", str(base)]
         for o in overrides:
             argv += ["--set", o]
         for m in initial:
             argv += ["--initial-peers", m]
         argv += ["--host-maddrs", f"/ip4/{net.address(ns_index)}/tcp/0", "--ready-file", str(ready),
-                 "--metrics-out", str(metrics), "--cache-dir", str(cache_dir), "--threads", "1", *extra]
+                 "--metrics-out", str(metrics), "--trace-out", str(trace), "--cache-dir", str(cache_dir),
+                 "--threads", "1", *extra]
         if pin:
             argv = ["taskset", "-c", str(ns_index % ncores), *argv]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         with open(log, "wb") as out:
             proc = net.popen(ns_index, argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              start_new_session=True, env=env)
-        peer = Peer(name, ns_index, proc, log, ready, metrics, role, stage)
+        peer = Peer(name, ns_index, proc, log, ready, metrics, role, stage, trace)
         peers.append(peer)
         return peer
 
@@ -714,6 +745,7 @@ def summarize(variant: str, peers: list[Peer], bench: BenchModel, replicas: int,
         "busy_fraction": {f"stage{s}": statistics.mean(v) for s, v in sorted(stage_busy.items())},
         "compute_s_per_microbatch": {f"stage{s}": statistics.mean(v) for s, v in sorted(stage_cmb.items())},
         "steps_in_window": [w["steps"] for w in wins],
+        "message_s": message_timing(peers, t0, t1),
         **({"wire_bytes_per_token": wire_total / tokens, "wire_over_counted": wire_total / (bpt["total"] * tokens)}
            if link_samples and bpt["total"] > 0 else {}),
     }
@@ -785,6 +817,7 @@ def record_predictions(r: dict, sim: perf_sim.SimResult, pred: perf.Prediction, 
     r["predicted_tokens_per_s"] = primary.tokens_per_s
     r["prediction_error_pct"] = 100 * (primary.tokens_per_s - measured) / measured
     r["predicted_link_utilisation"] = sim.link_utilisation
+    r["predicted_message_s"] = primary.message_s
     r["predicted_closed_form_tokens_per_s"] = pred.tokens_per_s
     r["closed_form_error_pct"] = 100 * (pred.tokens_per_s - measured) / measured
     r["predicted_bottleneck"] = pred.bottleneck

@@ -109,11 +109,33 @@ def test_step_barrier_lowers_the_rate():
 
 
 class _FakePeer:
-    def __init__(self, name, ns_index, role, stage, recs):
+    def __init__(self, name, ns_index, role, stage, recs, traces=()):
         self.name, self.ns_index, self.role, self.stage, self._recs = name, ns_index, role, stage, recs
+        self._traces = list(traces)
 
     def records(self):
         return self._recs
+
+    def traces(self):
+        return self._traces
+
+
+def test_message_timing_pairs_each_call_with_the_serve_that_answered_it():
+    calls = [{"kind": "call", "stage": 0, "driver": "d0", "step": s, "mb": m, "t_call": 10.0 * s + m,
+              "t_back": 10.0 * s + m + 2.0, "bytes": 100} for s in range(4) for m in range(2)]
+    # stage 1 gets each forward 0.5 s after the call and replies 1.25 s after that; a retried attempt of step 1
+    # mb 0 that another replica served too late for the call to have used it is ignored
+    serves = [{"kind": "serve", "stage": 1, "driver": "d0", "step": c["step"], "mb": c["mb"],
+               "t_in": c["t_call"] + 0.5, "t_out": c["t_call"] + 1.75, "bytes": 50} for c in calls]
+    stray = {"kind": "serve", "stage": 1, "driver": "d0", "step": 1, "mb": 0, "t_in": 30.0, "t_out": 31.0, "bytes": 0}
+    other = {"kind": "call", "stage": 1, "driver": "d0", "step": 1, "mb": 0, "t_call": 10.6, "t_back": 11.5}
+    peers = [_FakePeer("driver-0", 1, "driver", 0, [], calls),
+             _FakePeer("stage1-0", 0, "fast", 1, [], [*serves[:4], stray, other]),
+             _FakePeer("stage1-1", 2, "fast", 1, [], serves[4:])]
+    m = bt.message_timing(peers, 10.0, 30.0)  # steps 1 and 2 (t_call 10, 11, 20, 21) and step 3 starts at 30
+    assert m["calls"] == 5
+    assert (m["fwd"], m["serve"], m["bwd"], m["rtt"]) == pytest.approx((0.5, 1.25, 0.25, 2.0))
+    assert bt.message_timing(peers[:1], 0.0, 100.0) == {}  # no serve records: nothing to pair
 
 
 def test_summarize_counts_wire_bytes_per_peer():

@@ -150,3 +150,16 @@ def test_background_traffic_costs_only_while_the_link_carries_pipeline_bytes():
     whole = simulate(dataclasses.replace(busy, bandwidth_bps=busy.bandwidth_bps - bg))
     assert whole.tokens_per_s < elastic.tokens_per_s <= nominal.tokens_per_s
     assert elastic.tokens_per_s > 0.98 * nominal.tokens_per_s
+
+
+def test_call_timings_split_the_round_trip_as_the_traces_do():
+    # driver -> stage 1 (500 B at 1000 B/s, 0.1 s latency + 0.05 s overhead), stage 1 computes 0.2 + 0.3 s and the
+    # 250 B gradient goes back: fwd 0.65, serve 0.5, bwd 0.4, round trip 1.55
+    r = simulate(_spec([SimStage(0, 0, 500, 0), SimStage(0.2, 0.3, 0, 250)], latency_s=0.1, message_overhead_s=0.05))
+    m = r.message_s
+    assert (m["fwd"], m["serve"], m["bwd"], m["rtt"]) == pytest.approx((0.65, 0.5, 0.4, 1.55))
+    assert m["calls"] >= 4
+    # two microbatches sent at once queue on one connection: forward transits 0.5 and 1.0 s, serve 0.5 each
+    # (the second arrives as the first is done), gradients 0.25 each, round trips 1.25 and 1.75 s
+    two = simulate(_spec([SimStage(0, 0, 500, 0), SimStage(0.2, 0.3, 0, 250)], microbatches=2)).message_s
+    assert (two["fwd"], two["serve"], two["bwd"], two["rtt"]) == pytest.approx((0.75, 0.5, 0.25, 1.5))

@@ -181,11 +181,22 @@ def test_equivalence_with_in_process_mesh(swarm_factory, tmp_path, cache_dir):
     over = THREE + ["mask.ratio=0.9", f"train.steps={steps}", "train.microbatches=2"]
     sw = swarm_factory(over)
     sw.start("stage2", "--stage", "2")
-    sw.start("stage1", "--stage", "1")
+    traces = {s: tmp_path / f"trace{s}.jsonl" for s in (0, 1)}
+    sw.start("stage1", "--stage", "1", "--trace-out", str(traces[1]))
     metrics = tmp_path / "eq.jsonl"
-    sw.start("stage0", "--stage", "0", "--metrics-out", str(metrics))
+    sw.start("stage0", "--stage", "0", "--metrics-out", str(metrics), "--trace-out", str(traces[0]))
     wait_for(lambda: len(sw.metrics(metrics)) >= steps, 120, "the driver to finish")
     swarm_losses = [m["loss"] for m in sorted(sw.metrics(metrics), key=lambda m: m["step"])]
+
+    # --trace-out: every call to the next stage, and every forward served, with times that nest
+    calls, served = sw.metrics(traces[0]), sw.metrics(traces[1])
+    ids = {(c["step"], c["mb"]) for c in calls if c["kind"] == "call"}
+    assert ids == {(s, m) for s in range(steps) for m in range(2)}
+    serve = {(r["step"], r["mb"]): r for r in served if r["kind"] == "serve"}
+    assert set(serve) == ids and {r["stage"] for r in served if r["kind"] == "call"} == {1}
+    for c in calls:
+        r = serve[(c["step"], c["mb"])]
+        assert c["t_call"] <= r["t_in"] <= r["t_out"] <= c["t_back"] and c["bytes"] > 0 < r["bytes"]
 
     from meshnode.mesh import MeshTrainer
 

@@ -225,6 +225,9 @@ def join(
     ] = None,
     checkpoint_dir: Annotated[Path | None, typer.Option("--checkpoint-dir", help="Save / resume here.")] = None,
     metrics_out: Annotated[Path | None, typer.Option("--metrics-out", help="Driver: per-step JSON lines.")] = None,
+    trace_out: Annotated[
+        Path | None, typer.Option("--trace-out", help="Per-microbatch send / serve times, as JSON lines.")
+    ] = None,
     ready_file: Annotated[Path | None, typer.Option("--ready-file", help="Written once the peer serves.")] = None,
     threads: Annotated[int, typer.Option("--threads", help="torch threads of this peer.")] = 1,
     announce_period: Annotated[float, typer.Option("--announce-period", help="Seconds between announcements.")] = 3.0,
@@ -248,7 +251,7 @@ def join(
             initial_peers=list(initial_peers or []), host_maddrs=list(host_maddrs or ["/ip4/127.0.0.1/tcp/0"]),
             stage=None if stage == "auto" else int(stage), role=role, device=device, identity=identity,
             checkpoint_dir=checkpoint_dir, cache_dir=cache_dir_from(cache_dir), metrics_out=metrics_out,
-            ready_file=ready_file, threads=threads, announce_period=announce_period,
+            trace_out=trace_out, ready_file=ready_file, threads=threads, announce_period=announce_period,
         )
         run_join(cfg, opts)
 

@@ -121,6 +121,10 @@ class SimResult:
     busy_fraction: dict[str, float]  # per peer: compute seconds / window
     sim_time_s: float
     anchor_published: list[float] = field(default_factory=list)  # when each anchor cycle's priors went out
+    # per boundary call in the window, as the benchmark's traces measure them (``message_timing``): medians of
+    # the forward transit (send to arrival), the serving side's time (arrival to the gradient's send), the
+    # gradient's transit and the round trip, in seconds
+    message_s: dict[str, float] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,6 +191,7 @@ class _Sim:
         self.anchor_busy = False
         self.anchor_next = spec.anchor_period  # driver 0's step that starts the next cycle
         self.anchor_published: list[float] = []
+        self.mb_log: list[dict[str, float]] = []  # per boundary call: t_call, t_in, t_out, t_back
 
     # -- events
     def at(self, t: float, fn: Callable[[], None]) -> None:
@@ -330,37 +335,44 @@ class _Sim:
             else:
                 self.compute(d, st.fwd_s, lambda d=d: self.forward_done(d, None))
 
-    def arrive(self, p: int, sender: int) -> None:
+    def arrive(self, p: int, sender: int, rec: dict | None = None) -> None:
         """A forward reaches peer ``p`` (stage >= 1) from ``sender``."""
         peer = self.peers[p]
+        if rec is not None:
+            rec.setdefault("t_in", self.now)
         if peer.step_due or peer.stepping:
-            peer.waiting.append(lambda: self.arrive(p, sender))
+            peer.waiting.append(lambda: self.arrive(p, sender, rec))
             return
         peer.active += 1
         st = self.spec.stages[peer.stage]
         if peer.stage == len(self.spec.stages) - 1:
-            self.compute(p, st.fwd_s + st.bwd_s, lambda: self.backward_done(p, sender))
+            self.compute(p, st.fwd_s + st.bwd_s, lambda: self.backward_done(p, sender, rec))
         else:
-            self.compute(p, st.fwd_s, lambda: self.forward_done(p, sender))
+            self.compute(p, st.fwd_s, lambda: self.forward_done(p, sender, rec))
 
-    def forward_done(self, p: int, sender: int | None) -> None:
+    def forward_done(self, p: int, sender: int | None, up_rec: dict | None = None) -> None:
         peer = self.peers[p]
         nxt = self.by_stage[peer.stage + 1]
         rr = peer.rr = peer.rr + 1  # ties: round robin (the swarm breaks them at random)
         target = min(nxt, key=lambda q: (peer.inflight_to.get(q, 0), (q + rr) % len(nxt)))
         peer.inflight_to[target] = peer.inflight_to.get(target, 0) + 1
-        self.send(p, target, self.spec.stages[peer.stage].fwd_bytes, lambda: self.arrive(target, p))
+        rec = {"stage": peer.stage, "t_call": self.now}
+        self.mb_log.append(rec)
+        self.send(p, target, self.spec.stages[peer.stage].fwd_bytes, lambda: self.arrive(target, p, rec))
 
         def grad_back(p=p, target=target, sender=sender):
+            rec["t_back"] = self.now
             peer.inflight_to[target] -= 1
-            self.compute(p, self.spec.stages[peer.stage].bwd_s, lambda: self.backward_done(p, sender))
+            self.compute(p, self.spec.stages[peer.stage].bwd_s, lambda: self.backward_done(p, sender, up_rec))
 
         peer.pending.setdefault(target, []).append(grad_back)
 
-    def backward_done(self, p: int, sender: int | None) -> None:
+    def backward_done(self, p: int, sender: int | None, rec: dict | None = None) -> None:
         peer = self.peers[p]
         if sender is not None:
             up = self.peers[sender]
+            if rec is not None:
+                rec["t_out"] = self.now
             self.send(p, sender, self.spec.stages[peer.stage].bwd_bytes, lambda: up.pending[p].pop(0)())
         peer.active -= 1
         peer.done += 1
@@ -501,6 +513,7 @@ def simulate(spec: SimSpec) -> SimResult:
     window = max(t1 - t0, 1e-12)
     tokens = steps * spec.microbatches * spec.tokens_per_microbatch
     per_driver = [(v[-1] - v[spec.warmup_steps]) / (len(v) - 1 - spec.warmup_steps) for v in ends.values()]
+    calls = [r for r in sim.mb_log if r["stage"] == 0 and t0 < r["t_call"] <= t1 and "t_back" in r]
     return SimResult(
         tokens_per_s=tokens / window,
         step_s=sum(per_driver) / len(per_driver),
@@ -508,7 +521,29 @@ def simulate(spec: SimSpec) -> SimResult:
         busy_fraction={p.name: p.compute_s / sim.now for p in sim.peers} if sim.now > 0 else {},
         sim_time_s=sim.now,
         anchor_published=list(sim.anchor_published),
+        message_s=call_timing(calls),
     )
+
+
+def call_timing(calls: Sequence[dict]) -> dict[str, float]:
+    """Medians over calls with ``t_call``, ``t_in``, ``t_out``, ``t_back`` (seconds; the benchmark's trace records
+    have the same fields): ``fwd`` = t_in - t_call, ``serve`` = t_out - t_in, ``bwd`` = t_back - t_out, ``rtt``."""
+    full = [c for c in calls if all(k in c for k in ("t_call", "t_in", "t_out", "t_back"))]
+    if not full:
+        return {}
+
+    def med(xs: list[float]) -> float:
+        xs = sorted(xs)
+        n = len(xs)
+        return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+    return {
+        "fwd": med([c["t_in"] - c["t_call"] for c in full]),
+        "serve": med([c["t_out"] - c["t_in"] for c in full]),
+        "bwd": med([c["t_back"] - c["t_out"] for c in full]),
+        "rtt": med([c["t_back"] - c["t_call"] for c in full]),
+        "calls": float(len(full)),
+    }
 
 
 def simulate_with_background(spec: SimSpec, background_bps: float, iterations: int = 4) -> SimResult:

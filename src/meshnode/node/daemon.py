@@ -63,6 +63,7 @@ class JoinOptions:
     checkpoint_dir: Path | None = None
     cache_dir: Path | None = None
     metrics_out: Path | None = None
+    trace_out: Path | None = None  # per-microbatch timing records (JSON lines), for the throughput benchmark
     ready_file: Path | None = None
     announce_period: float = 3.0
     refresh_period: float = 1.0
@@ -94,6 +95,7 @@ class SwarmNode:
         self.last_loss: float | None = None
         self.prior_step: int | None = None
         self.metrics = None
+        self.trace_file = None
 
     # ---- entry -----------------------------------------------------------------------------
 
@@ -146,8 +148,9 @@ class SwarmNode:
             if self.servicer is not None and self.swarm.p2p is not None:
                 await self.servicer.remove_p2p_handlers(self.swarm.p2p, self.run_id)
             await self.swarm.shutdown()
-        if self.metrics is not None:
-            self.metrics.close()
+        for f in (self.metrics, self.trace_file):
+            if f is not None:
+                f.close()
 
     # ---- a stage replica -------------------------------------------------------------------
 
@@ -215,6 +218,10 @@ class SwarmNode:
         if self.metrics is not None and not self.metrics.closed:
             self.metrics.write(json.dumps(rec) + "\n")
             self.metrics.flush()
+
+    def _write_trace(self, rec: dict[str, Any]) -> None:
+        if self.trace_file is not None and not self.trace_file.closed:
+            self.trace_file.write(json.dumps(rec) + "\n")
 
     async def _metrics_loop(self) -> None:
         """With ``--metrics-out``, a fast or anchor peer writes a ``tick`` line each announce period: wall-clock
@@ -306,6 +313,9 @@ class SwarmNode:
         await self.announce("joining")
         self.host = await asyncio.to_thread(self._build_host, stage)
         self.swarm.limits = self.host.limits
+        if self.opts.trace_out is not None:
+            self.trace_file = open(self.opts.trace_out, "a", buffering=1)  # noqa: SIM115 (closed in _cleanup)
+            self.host.trace = self._write_trace
         if self.cfg.dp.enabled:
             from .dp import SwarmDP
 

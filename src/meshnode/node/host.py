@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..compression import EncodedPayload
+from ..compression import EncodedPayload, payload_bytes
 from ..config import RunConfig
 from ..optim import lr_at
 from ..protocol.limits import WEIGHT_CHUNK_BYTES, Limits
@@ -94,6 +94,9 @@ class StageHost:
         self._window: deque[tuple[float, int]] = deque()
         self.refused = 0
         self.compute_s = 0.0  # seconds of forward + backward torch work on this host's thread (busy fraction)
+        # Optional per-microbatch timing records (``meshnode join --trace-out``): the caller's send and reply
+        # times of each call to the next stage, and the serving side's entry and return, on the wall clock.
+        self.trace: Callable[[dict[str, Any]], None] | None = None
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -237,7 +240,11 @@ class StageHost:
                                 vocab=vocab,
                             )
 
+                        t_call = time.time()
                         reply = await self.call_next(self.stage + 1, build)
+                        if self.trace is not None:
+                            self.trace({"kind": "call", "stage": self.stage, "driver": driver, "step": step, "mb": mb,
+                                        "t_call": t_call, "t_back": time.time(), "bytes": payload_bytes(out)})
                         loss = float(reply["loss"])
                         grad_out = payload_from_wire(reply.get("payload"), self.limits, "grad")
                     grad_in = await self.run(self._timed, self.worker.backward, mbid, grad_out)
@@ -257,6 +264,7 @@ class StageHost:
     # ---- the StageBackend surface ----------------------------------------------------------
 
     async def forward(self, request: dict[str, Any]) -> dict[str, Any]:
+        t_in = time.time()
         if self.stage == 0:
             raise WireError("stage 0 takes no forward requests (it is fed by its driver)")
         req = parse_forward(request, self.limits, run=self.run_id, stage=self.stage,
@@ -272,6 +280,9 @@ class StageHost:
             )
         except StageError as exc:
             raise WireError(str(exc)) from None
+        if self.trace is not None:
+            self.trace({"kind": "serve", "stage": self.stage, "driver": req.driver, "step": req.step, "mb": req.mb,
+                        "t_in": t_in, "t_out": time.time(), "bytes": payload_bytes(grad_in) if grad_in else 0})
         return reply_ok(loss=loss, payload=grad_in)
 
     async def backward(self, request: dict[str, Any]) -> dict[str, Any]:
