@@ -30,6 +30,12 @@ CODECS = {
     "rotq4": MaskConfig(codec="rotq", bits=4),
     "rotq2": MaskConfig(codec="rotq", bits=2),
     "rotq1": MaskConfig(codec="rotq", bits=1),
+    "rotq4_norm": MaskConfig(codec="rotq", bits=4, rotq_weight="norm"),
+    "rotq2_norm": MaskConfig(codec="rotq", bits=2, rotq_weight="norm"),
+    "rotq1_norm": MaskConfig(codec="rotq", bits=1, rotq_weight="norm"),
+    "rotq4_ns": MaskConfig(codec="rotq", bits=4, rotq_weight="norm_std"),
+    "rotq2_ns": MaskConfig(codec="rotq", bits=2, rotq_weight="norm_std"),
+    "rotq1_ns": MaskConfig(codec="rotq", bits=1, rotq_weight="norm_std"),
     "rotq4_nocenter": MaskConfig(codec="rotq", bits=4, rotq_center=False),
     "rotq2_nocenter": MaskConfig(codec="rotq", bits=2, rotq_center=False),
     "rotq1_nocenter": MaskConfig(codec="rotq", bits=1, rotq_center=False),
@@ -59,7 +65,8 @@ def main() -> None:
         h = stages[0](ids)
         errs = []
         for b in (0, 1):
-            hr = simulate_transfer(codec, h, MaskKey(0, step, 0, b)) if codec is not None else h
+            gain = stages[b].next_input_gain  # the receiving layer's input norm gains (rotq weighting)
+            hr = simulate_transfer(codec, h, MaskKey(0, step, 0, b), gain=gain) if codec is not None else h
             errs.append(((hr.detach() - h.detach()).norm() / h.detach().norm()).item())
             h = stages[b + 1](hr)
         loss = causal_lm_loss(h, ids)

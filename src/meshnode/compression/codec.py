@@ -739,13 +739,15 @@ def simulate_transfer(
     *,
     row_offset: int = 0,
     counter: ByteCounter | None = None,
+    gain: Tensor | None = None,
 ) -> Tensor:  # (B, T, H)
     """One exchange in one process, differentiable: the forward and backward go through the wire codec.
 
     Uses two separate contexts, as two peers would, and counts the payload bytes (with header) on
-    ``pp_fwd`` and ``pp_bwd`` if a counter is given.
+    ``pp_fwd`` and ``pp_bwd`` if a counter is given. ``gain``: the receiving layer's input norm gains, as
+    the sender knows them (``rotq`` weighting).
     """
-    send_ctx = BoundaryContext(key=key, row_offset=row_offset)
+    send_ctx = BoundaryContext(key=key, row_offset=row_offset, gain=gain)
     recv_ctx = BoundaryContext(key=key, row_offset=row_offset)
     return _Exchange.apply(x, codec, send_ctx, recv_ctx, counter)
 
