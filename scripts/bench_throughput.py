@@ -306,7 +306,7 @@ def simulate_variant(variant: str, bench: BenchModel, replicas: int, compute_s: 
                      dp_overlap: bool = True, steps: int = 30,
                      message_overhead_s: float = 0.0, prior_holders: int = DHT_REPLICAS,
                      background_bytes_per_s: float = 0.0,
-                     dp_matchmaking_s: float = DP_MATCHMAKING_S) -> perf_sim.SimResult:
+                     dp_matchmaking_s: float = DP_MATCHMAKING_S, burst_bytes: float = 0.0) -> perf_sim.SimResult:
     """The event-level cost model (:mod:`meshnode.perf_sim`) of one variant of the benchmark swarm.
 
     Same inputs as :func:`predict_variant`. DP: a sync's two averaging rounds each take at least
@@ -314,7 +314,7 @@ def simulate_variant(variant: str, bench: BenchModel, replicas: int, compute_s: 
     fast peers from the anchor itself (``prior_holders = 0``, ``anchor.priors = rpc``) or through the DHT,
     stored on ``prior_holders`` peers (``dht``; node/priors.py reads one holder's copy).
     ``background_bytes_per_s`` (wire bytes per peer, e.g. the idle swarm's): charged while links are busy
-    (:func:`meshnode.perf_sim.simulate_with_background`).
+    (:func:`meshnode.perf_sim.simulate_with_background`). ``burst_bytes``: the links' tbf bucket (wire bytes).
     """
     dp_on = variant == "m95_ap_dp"
     ap_on = variant in ("m95_ap", "m95_ap_dp")
@@ -326,7 +326,7 @@ def simulate_variant(variant: str, bench: BenchModel, replicas: int, compute_s: 
         dp_blocking=not dp_overlap, dp_matchmaking_s=2 * dp_matchmaking_s,
         anchor_period=anchor_period if ap_on else 0, snapshot_bytes=sizes.snapshot_per_cycle,
         prior_bytes=sizes.prior_per_cycle, steps=steps, warmup_steps=4, message_overhead_s=message_overhead_s,
-        prior_holders=prior_holders,
+        prior_holders=prior_holders, burst_bytes=burst_bytes * TCP_GOODPUT,
     )
     if background_bytes_per_s > 0:
         return perf_sim.simulate_with_background(spec, background_bytes_per_s * 8 * TCP_GOODPUT)
@@ -350,8 +350,11 @@ def _sim_of(result: dict, variant: str, overhead_s: float, link_mbit: float | st
     sz = WireSizes(mi["pp_fwd_bytes"], mi["pp_bwd_bytes"], mi["dp_per_sync"], mi["prior_per_cycle"],
                    mi["snapshot_per_cycle"])
     link = result["link"]
+    burst = float(link.get("tbf", {}).get("burst_bytes", 0.0))  # runs before the buckets were recorded: none
     if link_mbit is None:
         link_mbit = link["rate_mbit_each_way"]
+    elif not isinstance(link_mbit, str) and burst > 0:  # another rate: the bucket reshape_tbf would give it
+        burst = tbf_burst_bytes(link_mbit)
     background = 0.0
     if link_mbit == "available":  # what the run left the pipeline: less idle traffic and retransmissions
         link_mbit = mi.get("link_mbit_available", link["rate_mbit_each_way"])
@@ -365,7 +368,7 @@ def _sim_of(result: dict, variant: str, overhead_s: float, link_mbit: float | st
                             steps=model_steps(r) if steps is None else steps, message_overhead_s=overhead_s,
                             background_bytes_per_s=background,
                             prior_holders=holders_for(mi.get("priors")),
-                            dp_matchmaking_s=mi.get("dp_matchmaking_s", DP_MATCHMAKING_S))
+                            dp_matchmaking_s=mi.get("dp_matchmaking_s", DP_MATCHMAKING_S), burst_bytes=burst)
 
 
 def fit_message_overhead(result: dict, variant: str, hi_s: float = 2.0) -> float:
@@ -542,11 +545,17 @@ def _tail(path: Path, n: int = 12) -> str:
         return ""
 
 
+def tbf_burst_bytes(rate_mbit: float, mtu: int = 1500) -> int:
+    """The bucket :func:`reshape_tbf` gives a link: 2 ms of line rate, at least 4 MTU."""
+    return int(max(rate_mbit * 1e6 / 8 * 0.002, 4 * mtu))
+
+
 def reshape_tbf(net, rate_mbit: float, delay_ms: float, mtu: int = 1500) -> dict[str, int]:
     """Replace netem's tbf with a burst of 2 ms of line rate but at least 4 MTU (netem.py's floor is 16 KiB, which
-    at sub-Mbit rates lets ~0.2 s of traffic through at once after every idle gap). Only our namespaces."""
+    at sub-Mbit rates lets ~0.2 s of traffic through at once after every idle gap). Only our namespaces. Even
+    4 MTU is 0.13 s of a 0.37 Mbit/s link, about one M95 microbatch: the event model includes the buckets."""
     rate_bytes = rate_mbit * 1e6 / 8
-    burst = int(max(rate_bytes * 0.002, 4 * mtu))
+    burst = tbf_burst_bytes(rate_mbit, mtu)
     limit = int(max(rate_bytes * max(0.05, 2 * delay_ms / 1e3), 2 * burst))
     tbf = ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "limit", str(limit)]
     for i in range(net.peers):
@@ -1026,7 +1035,8 @@ def main(argv: list[str] | None = None) -> int:
                                    dp_inner_steps=args.dp_inner_steps, anchor_period=args.anchor_period,
                                    dp_overlap=not args.dp_blocking, message_overhead_s=overhead,
                                    steps=model_steps(res), prior_holders=holders_for(args.priors),
-                                   dp_matchmaking_s=args.dp_matchmaking_s)
+                                   dp_matchmaking_s=args.dp_matchmaking_s,
+                                   burst_bytes=tbf["burst_bytes"] if tbf else 0.0)
             record_predictions(res, sim, pred, wave_tokens_per_s(pred, bench, args.replicas, args.delay_ms))
             res["model_inputs"] = {"compute_s_per_microbatch": cmb, "pp_fwd_bytes": fwd, "pp_bwd_bytes": bwd,
                                    "dp_per_sync": vs.dp_per_sync, "prior_per_cycle": vs.prior_per_cycle,

@@ -163,3 +163,19 @@ def test_call_timings_split_the_round_trip_as_the_traces_do():
     # (the second arrives as the first is done), gradients 0.25 each, round trips 1.25 and 1.75 s
     two = simulate(_spec([SimStage(0, 0, 500, 0), SimStage(0.2, 0.3, 0, 250)], microbatches=2)).message_s
     assert (two["fwd"], two["serve"], two["bwd"], two["rtt"]) == pytest.approx((0.75, 0.5, 0.25, 1.5))
+
+
+def test_token_buckets_let_short_messages_through_after_an_idle_gap():
+    # 1000 B/s links with 300 B buckets; 500 B forward, 250 B back. The gradient finds the stage's uplink and
+    # the driver's downlink idle for the whole forward transfer, so it goes at once; the forward's buckets are
+    # empty each time (the driver's uplink never rests): a step is 0.5 s instead of 0.75
+    stages = [SimStage(0, 0, 500, 0), SimStage(0, 0, 0, 250)]
+    assert simulate(_spec(stages)).step_s == pytest.approx(0.75)
+    r = simulate(_spec(stages, burst_bytes=300))
+    assert r.step_s == pytest.approx(0.5)
+    assert r.message_s["bwd"] == pytest.approx(0.0) and r.message_s["fwd"] == pytest.approx(0.5)
+    # a bucket never adds capacity: a saturated link (back-to-back microbatches) runs at its rate either way
+    heavy = [SimStage(0, 0, 5000, 0), SimStage(0, 0, 0, 0)]
+    assert simulate(_spec(heavy, burst_bytes=300, steps=12)).step_s == pytest.approx(5.0, rel=0.07)
+    with pytest.raises(ValueError, match="burst"):
+        _spec(stages, burst_bytes=-1)

@@ -18,6 +18,12 @@ What is simulated (pure Python, no torch, deterministic):
   whenever one starts or ends. A message is delivered ``latency_s + message_overhead_s`` after its last
   byte leaves (the overhead: what a message costs besides its bytes, e.g. serialisation and RPC layers;
   measure it on an unshaped run).
+* **Token buckets** (``burst_bytes`` > 0). Each access link, each way, is a token bucket as ``tbf`` shapes
+  it: tokens accrue at the link rate up to ``burst_bytes``, bytes sent use them up, and a message that
+  starts on links holding ``k`` tokens (the fewer of its uplink's and downlink's) has its first ``k``
+  bytes through at once. Traffic keeps a loaded link's bucket empty; after an idle gap a short message
+  costs little more than its latency. On the time-scaled links (0.37 Mbit/s, a 6 kB bucket: 0.13 s of
+  line rate) a whole M95 microbatch fits in it; at 200 Mbit/s (50 kB: 2 ms) it is negligible.
 * **The nested chain** (``docs/swarm.md``). A driver computes the forward of each of its ``m``
   microbatches and sends each to a stage-1 peer, chosen as the one with the fewest of this sender's
   microbatches in flight (ties round robin: the swarm's routing breaks them at random). Stage ``s``
@@ -95,6 +101,7 @@ class SimSpec:
     prior_bytes: Sequence[float] = ()  # per stage and cycle, to every replica of the stage
     prior_holders: int = 0  # 0: priors sent to the stage's replicas; k: stored on k DHT holders (see above)
     message_overhead_s: float = 0.0  # per message, added to its delivery (serialisation, RPC layers)
+    burst_bytes: float = 0.0  # token bucket depth of every access link, each way (tbf's burst); 0 = a plain rate
     cores: int | None = None  # CPU cores shared by every peer's compute (None: a core per peer)
     anchor_compute_s: float = 0.0  # the anchor's forward + backward per cycle (on the shared cores)
     steps: int = 24  # driver steps simulated
@@ -107,6 +114,8 @@ class SimSpec:
             raise ValueError("every stage needs a replica and a step at least one microbatch")
         if self.bandwidth_bps <= 0 or self.latency_s < 0:
             raise ValueError("bandwidth must be > 0 and latency >= 0")
+        if self.burst_bytes < 0:
+            raise ValueError("burst_bytes must be >= 0")
         if self.cores is not None and self.cores < 1:
             raise ValueError("cores must be >= 1 (or None for a core per peer)")
         if self.steps <= self.warmup_steps + 1:
@@ -192,6 +201,10 @@ class _Sim:
         self.anchor_next = spec.anchor_period  # driver 0's step that starts the next cycle
         self.anchor_published: list[float] = []
         self.mb_log: list[dict[str, float]] = []  # per boundary call: t_call, t_in, t_out, t_back
+        # token buckets, per link and direction (("u", peer) / ("d", peer)), full at the start
+        self.tokens: dict[tuple[str, int], float] = {}
+        if spec.burst_bytes > 0:
+            self.tokens = {(d, p): float(spec.burst_bytes) for p in range(len(self.peers)) for d in ("u", "d")}
 
     # -- events
     def at(self, t: float, fn: Callable[[], None]) -> None:
@@ -210,10 +223,17 @@ class _Sim:
     def _advance(self, t: float) -> None:
         dt = t - self.now
         if dt > 0:
+            used: dict[tuple[str, int], float] = {}
             for f in self.flows:
                 moved = f.rate * dt
                 f.left -= moved
                 self.peers[f.src].sent += moved
+                used[("u", f.src)] = used.get(("u", f.src), 0.0) + f.rate
+                used[("d", f.dst)] = used.get(("d", f.dst), 0.0) + f.rate
+            burst = self.spec.burst_bytes
+            for r, tok in self.tokens.items():  # a bucket fills with what its link's rate leaves unused
+                if tok < burst:
+                    self.tokens[r] = min(burst, tok + max(0.0, self.cap - used.get(r, 0.0)) * dt)
             for task in self.running.values():
                 task[0] -= self.cpu_rate * dt
         self.now = t
@@ -235,12 +255,24 @@ class _Sim:
             queue.pop(0)
             self.at(self.now + lat, delivered)
             if queue:
-                self.flows.append(queue[0])  # the next message on this connection (re-rated by the caller)
+                self._start_flow(queue[0])  # the next message on this connection (re-rated by the caller)
 
         queue.append(_Flow(src, dst, float(nbytes), finished))
         if len(queue) == 1:
-            self.flows.append(queue[0])
+            self._start_flow(queue[0])
             self._rerate()
+
+    def _start_flow(self, f: _Flow) -> None:
+        """A message starts moving: what both its links' buckets hold goes at once, the rest at the fair rate."""
+        if self.tokens:
+            up, down = ("u", f.src), ("d", f.dst)
+            now = min(self.tokens[up], self.tokens[down], f.left)
+            if now > 0:
+                f.left -= now
+                self.peers[f.src].sent += now
+                self.tokens[up] -= now
+                self.tokens[down] -= now
+        self.flows.append(f)
 
     def _rerate(self) -> None:
         """Max-min fair rates by progressive filling over uplinks and downlinks."""
