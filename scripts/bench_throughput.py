@@ -340,11 +340,12 @@ def model_steps(measured: dict, least: int = 30) -> int:
 
 
 def _sim_of(result: dict, variant: str, overhead_s: float, link_mbit: float | str | None = None,
-            steps: int | None = None) -> perf_sim.SimResult:
+            steps: int | None = None, charge_idle: bool = False) -> perf_sim.SimResult:
     """The event model of one recorded variant (its recorded inputs), with a given per-message overhead, on the
     nominal link, on ``link_mbit``, on the rate its run left the pipeline (``"available"``: less the idle
     swarm's traffic and the retransmissions), or (``"busy"``) on the link less the retransmissions with the idle
-    traffic charged only while the link carries pipeline bytes."""
+    traffic charged only while the link carries pipeline bytes. ``charge_idle`` with a numeric ``link_mbit``:
+    that rate, charged as ``"busy"`` charges the recorded one (the plot's curves)."""
     r = result["variants"][variant]
     mi = r["model_inputs"]
     sz = WireSizes(mi["pp_fwd_bytes"], mi["pp_bwd_bytes"], mi["dp_per_sync"], mi["prior_per_cycle"],
@@ -358,8 +359,9 @@ def _sim_of(result: dict, variant: str, overhead_s: float, link_mbit: float | st
     background = 0.0
     if link_mbit == "available":  # what the run left the pipeline: less idle traffic and retransmissions
         link_mbit = mi.get("link_mbit_available", link["rate_mbit_each_way"])
-    elif link_mbit == "busy":
-        link_mbit = available_link_mbit(link["rate_mbit_each_way"], 0.0, mi.get("retrans_share", 0.0))
+    elif link_mbit == "busy" or charge_idle:
+        rate = link["rate_mbit_each_way"] if link_mbit == "busy" else link_mbit
+        link_mbit = available_link_mbit(rate, 0.0, mi.get("retrans_share", 0.0))
         background = mi.get("background_bytes_per_s", 0.0)
     return simulate_variant(variant, BenchModel(**result["model"]), result["swarm"]["replicas_per_stage"],
                             mi["compute_s_per_microbatch"], sz, link_mbit,
@@ -860,15 +862,15 @@ def plot(result: dict, png: Path) -> None:
     for v, r in result["variants"].items():
         if "model_inputs" not in r:
             continue
-        ys = [_sim_of(result, v, result.get("message_overhead_s", 0.0), x / ratio, steps=16).tokens_per_s * ratio
-              for x in xs]
+        ys = [_sim_of(result, v, result.get("message_overhead_s", 0.0), x / ratio, steps=16,
+                      charge_idle=True).tokens_per_s * ratio for x in xs]
         ax.plot(xs, ys, color=colors.get(v), label=f"{v} (model)")
         ax.scatter([link["rate_mbit_each_way"] * ratio], [r["tokens_per_s"] * ratio], color=colors.get(v),
                    edgecolor="black", zorder=5, s=50)
     ax.set(xscale="log", yscale="log", xlabel="GPU peer link, Mbit/s each way (emulated = x / ratio)",
            ylabel="GPU-equivalent tokens/s (measured x ratio)",
            title=f"benchmark swarm {bench.stages} stages x {replicas} (+ anchor), H={bench.hidden}, "
-                 f"time scale {ratio:.0f}x\nlines: event-level cost model (perf_sim); dots: measured")
+                 f"time scale {ratio:.0f}x\nlines: event model (buckets, idle traffic charged); dots: measured")
     ax.axvline(200, color="grey", ls=":", lw=1)
     ax.legend(fontsize=8)
     for arch, ls in (("SmolLM2-135M", "--"), ("Llama-3.2-1B", "-")):
