@@ -88,6 +88,8 @@ VARIANTS: dict[str, list[str]] = {
     "rotq4_ns": ["mask.codec=rotq", "mask.bits=4", "mask.rotq_weight=norm_std"],
     "rotq2_ns": ["mask.codec=rotq", "mask.bits=2", "mask.rotq_weight=norm_std"],
     "rotq1_ns": ["mask.codec=rotq", "mask.bits=1", "mask.rotq_weight=norm_std"],
+    # where rotq2's gap comes from: the same forward, the gradient back at 4 bits
+    "rotq2_ns_g4": ["mask.codec=rotq", "mask.bits=2", "mask.rotq_weight=norm_std", "mask.grad_bits=4"],
     "m75_mean": ["mask.ratio=0.75", "mask.fill=mean"],
 }
 TABLE = ["dense", "dense_dp", "m90", "m90_ap", "m95", "m95_ap", "m95_ap_dp", "topk", "int8"]

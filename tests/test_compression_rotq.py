@@ -212,3 +212,17 @@ def test_stages_carry_the_next_layers_input_norm_gains():
     assert make_codec(cfg2.mask).weight == "norm_std"
     with pytest.raises(ConfigError, match="rotq_weight"):
         load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml", ["mask.rotq_weight=gains"])
+
+
+def test_the_gradient_may_go_back_at_other_bits():
+    codec = make_codec(MaskConfig(codec="rotq", bits=2, grad_bits=4))
+    assert (codec.bits, codec.grad_bits) == (2, 4) and "gradient 4 bit" in codec.describe()
+    x, g = _gauss(b=2, t=32), _gauss(b=2, t=32, seed=1)
+    assert GAUSS_MSE[2] * 0.7 < _rel_mse(codec.decode(codec.encode(x)), x) < GAUSS_MSE[2] * 1.15
+    assert _rel_mse(codec.decode_grad(codec.encode_grad(g)), g) < GAUSS_MSE[4] * 1.15
+    assert codec.backward_nbytes(2, 32, 576) == 2 * 32 * (288 + 4) and codec.forward_nbytes(2, 32, 576) == (
+        2 * 32 * (144 + 4) + 576 * 2)
+    with pytest.raises(PayloadError, match="grad_bits"):
+        RotQuantCodec(2).decode_grad(codec.encode_grad(g))
+    with pytest.raises(ValueError, match="bits"):
+        RotQuantCodec(2, grad_bits=3)

@@ -110,6 +110,7 @@ class MaskConfig:
     # rotq: per-channel weights applied before the rotation (sent in the payload, undone by the receiver):
     # "none"; "norm" = the receiving layer's input RMSNorm gains; "norm_std" = sqrt(gain / channel std).
     rotq_weight: str = "none"
+    grad_bits: int = 0  # rotq: bits of the gradient going back (0 = the same as ``bits``)
     topk_ratio: float = 0.1  # fraction of channels kept by the top-k baseline
     wire_dtype: str = "bfloat16"  # bfloat16 | float16 | float32
     version: int = 0
@@ -214,6 +215,7 @@ _CHOICES = {
     "mask.codec": ("mask", "topk", "int8", "int4", "rotq", "dense"),
     "mask.bits": (1, 2, 4),
     "mask.rotq_weight": ("none", "norm", "norm_std"),
+    "mask.grad_bits": (0, 1, 2, 4),
     "mask.wire_dtype": ("bfloat16", "float16", "float32"),
     "spectral.mode": ("filter", "clean_every", "delayed_ef", "bias_correction"),
     "spectral.ema_init": ("first", "zero"),

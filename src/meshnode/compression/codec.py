@@ -596,10 +596,12 @@ class RotQuantCodec(_SameBothWays):
     name = "rotq"
 
     def __init__(self, bits: int = 2, center: bool = True, wire_dtype: str = "bfloat16", seed: int = 0,
-                 weight: str = "none") -> None:
+                 weight: str = "none", grad_bits: int = 0) -> None:
         super().__init__(wire_dtype)  # the dtype of the channel means; codes are uint8, the rms float32
-        if bits not in ROTQ_BITS:
-            raise ValueError(f"rotq bits must be one of {', '.join(map(str, ROTQ_BITS))}, got {bits}")
+        for b in (bits, grad_bits or bits):
+            if b not in ROTQ_BITS:
+                raise ValueError(f"rotq bits must be one of {', '.join(map(str, ROTQ_BITS))}, got {b}")
+        self.grad_bits = int(grad_bits or bits)  # the gradient's bits (default: the activation's)
         if weight not in ROTQ_WEIGHTS:
             raise ValueError(f"rotq weight must be one of {', '.join(ROTQ_WEIGHTS)}, got {weight!r}")
         self.bits = int(bits)
@@ -610,10 +612,16 @@ class RotQuantCodec(_SameBothWays):
     def describe(self) -> str:
         extra = (", centred" if self.center else "") + (
             f", weighted by {self.weight}" if self.weight != "none" else "")
+        if self.grad_bits != self.bits:
+            extra += f", gradient {self.grad_bits} bit"
         return f"rotq({self.bits} bit{extra})"
 
     def _meta(self) -> dict[str, Any]:
-        return {"bits": self.bits, "seed": self.seed, "center": self.center, "weight": self.weight}
+        return {"bits": self.bits, "seed": self.seed, "center": self.center, "weight": self.weight,
+                "grad_bits": self.grad_bits}
+
+    def _bits(self, kind: str) -> int:
+        return self.grad_bits if kind == GRAD else self.bits
 
     def encode(self, x: Tensor, ctx: BoundaryContext | None = None) -> EncodedPayload:
         return self._encode(ACTIVATION, x, ctx.gain if ctx is not None else None)
@@ -648,7 +656,7 @@ class RotQuantCodec(_SameBothWays):
             w = self.channel_weights(z, gain)
             tensors["weight"] = w
             z = z * w.float()
-        codes, rms = rotq_encode(z, self.bits, self.seed)
+        codes, rms = rotq_encode(z, self._bits(kind), self.seed)
         tensors.update(codes=codes, rms=rms)
         return self._payload(kind, x, tensors, self._meta())
 
@@ -656,7 +664,8 @@ class RotQuantCodec(_SameBothWays):
         b, t, h = self._header(payload, kind)
         if payload.meta != self._meta():
             raise PayloadError(f"payload quantised with {payload.meta}, this boundary uses {self._meta()}")
-        specs = {"codes": ((b, t, packed_width(h, self.bits)), torch.uint8), "rms": ((b, t), torch.float32)}
+        bits = self._bits(kind)
+        specs = {"codes": ((b, t, packed_width(h, bits)), torch.uint8), "rms": ((b, t), torch.float32)}
         centred = self.center and kind == ACTIVATION
         weighted = self.weight != "none" and kind == ACTIVATION
         if centred:
@@ -671,7 +680,7 @@ class RotQuantCodec(_SameBothWays):
             w = p["weight"].float()
             if bool(((w < 1.0 / ROTQ_WEIGHT_RANGE * 0.99) | (w > ROTQ_WEIGHT_RANGE * 1.01)).any()):
                 raise PayloadError(f"payload tensor 'weight' outside [1/{ROTQ_WEIGHT_RANGE:g}, {ROTQ_WEIGHT_RANGE:g}]")
-        y = rotq_decode(p["codes"], p["rms"], self.bits, h, self.seed)
+        y = rotq_decode(p["codes"], p["rms"], bits, h, self.seed)
         if weighted:
             y = y / w
         if centred:
@@ -683,7 +692,7 @@ class RotQuantCodec(_SameBothWays):
         return rotq_nbytes(batch * seq, hidden, self.bits) + per_channel * hidden * self.wire_dtype.itemsize
 
     def backward_nbytes(self, batch: int, seq: int, hidden: int) -> int:
-        return rotq_nbytes(batch * seq, hidden, self.bits)
+        return rotq_nbytes(batch * seq, hidden, self.grad_bits)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -708,7 +717,8 @@ def make_codec(mask_cfg: MaskConfig, *, step: int | None = None) -> BoundaryCode
     if kind in ("int8", "int4"):
         return QuantCodec(int(kind[3:]))
     if kind == "rotq":
-        return RotQuantCodec(mask_cfg.bits, mask_cfg.rotq_center, mask_cfg.wire_dtype, weight=mask_cfg.rotq_weight)
+        return RotQuantCodec(mask_cfg.bits, mask_cfg.rotq_center, mask_cfg.wire_dtype, weight=mask_cfg.rotq_weight,
+                             grad_bits=mask_cfg.grad_bits)
     raise ValueError(f"unknown boundary codec {kind!r} (mask | topk | int8 | int4 | rotq | dense)")
 
 
