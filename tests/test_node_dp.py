@@ -53,7 +53,7 @@ def _dp(params, release: asyncio.Event, calls: list):
     async def average(tensors, tag):
         calls.append(tag)
         await release.wait()  # the partner is slow: the rounds take a while
-        return tensors, 2
+        return tensors, frozenset({"me", "partner"})
 
     dp._average = average
     return dp
@@ -112,6 +112,36 @@ def test_overlapped_schedule_on_the_shared_driver_clock():
     asyncio.run(scenario())
 
 
+def test_a_sync_averages_q_only_with_the_group_that_averaged_p():
+    """Q is projected on the averaged P: a P round without partners makes the sync local (no Q round, so this peer
+    cannot meet a late partner's P round with its Q), and a Q round that met other peers than P is not used."""
+
+    def run_sync(groups):
+        async def scenario():
+            params = {"w": torch.zeros(2, 2)}
+            dp = _dp(params, asyncio.Event(), [])
+            calls, values = [], iter(groups)
+
+            async def average(tensors, tag):
+                calls.append(tag[0])
+                members, factor = next(values)
+                return {n: t * factor for n, t in tensors.items()}, members
+
+            dp._average = average
+            out, g, (p_avg, q_avg) = await dp._rounds(0, None, {"w": torch.ones(2, 2)})
+            return calls, out["w"], g
+
+        return asyncio.run(scenario())
+
+    pair, other = frozenset({"me", "b"}), frozenset({"me", "c"})
+    calls, out, g = run_sync([(pair, 2.0), (pair, 3.0)])  # both rounds in one group: both averages used
+    assert calls == ["p", "q"] and g == 2 and torch.equal(out, torch.full((2, 2), 6.0))
+    calls, out, g = run_sync([(frozenset(), 1.0)])  # alone in P: no Q round at all, the own update
+    assert calls == ["p"] and g == 1 and torch.equal(out, torch.ones(2, 2))
+    calls, out, g = run_sync([(pair, 2.0), (other, 3.0)])  # Q met someone else: P's average, own Q
+    assert calls == ["p", "q"] and g == 1 and torch.equal(out, torch.full((2, 2), 2.0))
+
+
 def test_a_failed_background_sync_changes_nothing():
     async def scenario():
         w = torch.ones(2, 2)
@@ -138,7 +168,7 @@ def _logging_dp(params, maxlen: int):
         return fn(*args)
 
     async def alone(tensors, tag):
-        return tensors, 1
+        return tensors, frozenset()
 
     dp.host = SimpleNamespace(run=run, opt_step=0)
     dp.params = params

@@ -167,11 +167,13 @@ class DPConfig:
     # step at the first step boundary after it finishes, keeping the local progress made meanwhile. The
     # in-process mesh's all-reduce is instantaneous, so it ignores this.
     overlap: bool = False
-    round_timeout: float = 15.0  # swarm: seconds a replica waits for partners per averaging round
-    # Swarm: seconds the first replica to reach a round waits for partners to join its group (hivemind's
-    # min_matchmaking_time). Replicas reach their syncs at different times (each counts its own steps), so
-    # with dp.overlap a window of about dp.inner_steps step times pairs them every sync; it only delays the
-    # outer step. Must be below dp.round_timeout.
+    # Swarm: seconds a replica waits for partners per averaging round (hivemind's step timeout): the first
+    # replica to reach a round waits this long for a second one (min_group_size = 2), then keeps its own values.
+    round_timeout: float = 15.0
+    # Swarm: the lifetime of each matchmaking declaration in the DHT (hivemind's min_matchmaking_time; the
+    # replica re-declares when it lapses). On slow links a short one can lapse before its DHT store or a join
+    # request completes, so partners do not find each other (docs/throughput.md: 2 s paired 1 of 5 syncs on
+    # the time-scaled links, 20 s 5 of 6). Must be below dp.round_timeout.
     matchmaking_time: float = 2.0
     # Swarm, with dp.overlap: what counts the inner steps between syncs. "own" = this replica's optimizer
     # steps (replicas drift apart and reach their syncs at different times); "driver" = the newest driver

@@ -184,11 +184,22 @@ class SwarmDP:
         two averaged phases (what :func:`powersgd_decode` needs to redo the update)."""
         host = self.host
         p = await host.run(self.psgd.phase_p, pseudo)
-        p_avg, g1 = await self._average(p, ("p", f) if tag is None else ("p", f, tag))
+        p_avg, p_group = await self._average(p, ("p", f) if tag is None else ("p", f, tag))
         q = await host.run(self.psgd.phase_q, p_avg)
-        q_avg, g2 = await self._average(q, ("q", f) if tag is None else ("q", f, tag))
+        if len(p_group) < 2:
+            # Q is this peer's pseudo-gradient projected on its P: averaging it with anyone is only meaningful
+            # when the P it was projected on is the same (the group's average). A P round without partners
+            # makes the whole sync local, and keeps this peer out of matchmaking, where its Q round would
+            # meet a late partner's P round (hivemind tells the two phases apart only by the tag we gather).
+            q_avg, q_group = q, p_group
+        else:
+            q_avg, q_group = await self._average(q, ("q", f) if tag is None else ("q", f, tag))
+            if q_group != p_group:  # a Q group other than the P group (possible with 3+ replicas): keep own Q
+                logger.warning("DP sync of fragment %d: Q round met %d peer(s) other than the P round's; keeping own "
+                               "Q", f, len(q_group ^ p_group))
+                q_avg, q_group = q, frozenset()
         out = await host.run(self.psgd.finish, q_avg)
-        return out, min(g1, g2), (p_avg, q_avg)
+        return out, max(1, min(len(p_group), len(q_group))), (p_avg, q_avg)
 
     def _record(self, f: int, phases: tuple[dict, dict]) -> None:
         """Number the outer step just applied and, when the anchor follows DP, keep its phases."""
@@ -250,10 +261,12 @@ class SwarmDP:
     def _apply(self, avg) -> None:
         self.outer.apply(avg, self.params)
 
-    async def _average(self, tensors: dict[str, torch.Tensor], tag: tuple) -> tuple[dict[str, torch.Tensor], int]:
-        """All-reduce (mean) ``tensors`` with the stage's group; own values when alone or on failure."""
+    async def _average(self, tensors: dict[str, torch.Tensor],
+                       tag: tuple) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
+        """All-reduce (mean) ``tensors`` with the stage's group: the averaged values and the group's peer ids;
+        own values and an empty group when alone or on failure."""
         if self.partners() < 1:
-            return tensors, 1
+            return tensors, frozenset()
         order = sorted(tensors)
         flat = torch.cat([tensors[n].reshape(-1).float() for n in order])
         with self.averager.get_tensors() as buf:
@@ -266,10 +279,10 @@ class SwarmDP:
             group = None
         self.rounds += 1
         if not group:
-            return tensors, 1
+            return tensors, frozenset()
         if any(list(v) != list(tag) for v in group.values()):
             logger.warning("DP round %s: partners were in another phase; keeping own values", tag)
-            return tensors, 1
+            return tensors, frozenset()
         with self.averager.get_tensors() as buf:
             out_flat = buf[0][: flat.numel()].clone()
         g = len(group)
@@ -279,7 +292,7 @@ class SwarmDP:
             k = tensors[n].numel()
             out[n] = out_flat[off : off + k].reshape(tensors[n].shape)
             off += k
-        return out, g
+        return out, frozenset(str(peer) for peer in group)
 
     def state_dict(self) -> dict:
         return {"outer": self.outer.state_dict(), "psgd": self.psgd.state_dict(), "syncs": self.syncs}
