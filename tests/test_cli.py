@@ -77,7 +77,7 @@ def test_demo_methods_make_valid_configs_and_unknown_ones_fail(cache_dir):
         assert cfg.dp.enabled and cfg.anchor.enabled == (method == "m95")
         assert cfg.anchor.snapshot == ("dp" if method == "m95" else "full")
         if method.startswith("rotq"):
-            assert cfg.mask.codec == "rotq" and cfg.mask.bits == int(method[4:])
+            assert cfg.mask.codec == "rotq" and cfg.mask.bits == int(method[4:]) and cfg.mask.rotq_weight == "norm_std"
     with pytest.raises(ValueError, match="unknown demo method"):
         method_overrides("m99", tiny=True, dp_peers=1, anchor=False, anchor_key="")
     _fails_cleanly(["demo", "--tiny", "--method", "m99"], "not one of", cache_dir)

@@ -51,7 +51,7 @@ def _parse(req):
 
 def test_round_trip_dense_mask_rotq():
     codecs = (DenseCodec("bfloat16"), MaskCodec(0.9, wire_dtype="float16"), MaskCodec(0.9, fill="mean"),
-              RotQuantCodec(2))
+              RotQuantCodec(2), RotQuantCodec(2, weight="norm_std", grad_bits=4))  # the last: 4 tensors
     for codec in codecs:
         p = _payload(codec)
         req = _parse(_request(p))

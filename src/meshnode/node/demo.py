@@ -88,14 +88,15 @@ DEMO_METHODS = ("dense", "m95", "rotq4", "rotq2")
 
 def method_overrides(method: str, *, tiny: bool, dp_peers: int, anchor: bool, anchor_key: str) -> list[str]:
     """Config overrides of a demo method: ``dense`` boundaries, ``m95`` (the paper: M95 + anchor prior), or
-    ``rotq4`` / ``rotq2`` (every channel at 4 / 2 bits after a rotation); with DP when ``dp_peers > 1`` (then the
+    ``rotq4`` / ``rotq2`` (every channel at 4 / 2 bits after a rotation, weighted by the receiving layer's norm
+    gains and the channels' spread: ``mask.rotq_weight = norm_std``); with DP when ``dp_peers > 1`` (then the
     anchor takes its weights from the DP log: ``anchor.snapshot = dp``)."""
     if method not in DEMO_METHODS:
         raise ValueError(f"unknown demo method {method!r} (one of {', '.join(DEMO_METHODS)})")
     if method == "dense":
         out = ["mask.ratio=0.0"]
     elif method.startswith("rotq"):
-        out = ["mask.codec=rotq", f"mask.bits={method[4:]}"]
+        out = ["mask.codec=rotq", f"mask.bits={method[4:]}", "mask.rotq_weight=norm_std"]
     else:
         out = ["mask.ratio=0.95"]
         if anchor:
