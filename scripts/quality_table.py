@@ -90,6 +90,9 @@ VARIANTS: dict[str, list[str]] = {
     "rotq1_ns": ["mask.codec=rotq", "mask.bits=1", "mask.rotq_weight=norm_std"],
     # where rotq2's gap comes from: the same forward, the gradient back at 4 bits
     "rotq2_ns_g4": ["mask.codec=rotq", "mask.bits=2", "mask.rotq_weight=norm_std", "mask.grad_bits=4"],
+    # and the other way: the activation at 4 bits, the gradient at 2 or 1
+    "rotq4_ns_g2": ["mask.codec=rotq", "mask.bits=4", "mask.rotq_weight=norm_std", "mask.grad_bits=2"],
+    "rotq4_ns_g1": ["mask.codec=rotq", "mask.bits=4", "mask.rotq_weight=norm_std", "mask.grad_bits=1"],
     "m75_mean": ["mask.ratio=0.75", "mask.fill=mean"],
 }
 TABLE = ["dense", "dense_dp", "m90", "m90_ap", "m95", "m95_ap", "m95_ap_dp", "topk", "int8"]
