@@ -193,10 +193,11 @@ class SwarmDP:
             # meet a late partner's P round (hivemind tells the two phases apart only by the tag we gather).
             q_avg, q_group = q, p_group
         else:
-            q_avg, q_group = await self._average(q, ("q", f) if tag is None else ("q", f, tag))
-            if q_group != p_group:  # a Q group other than the P group (possible with 3+ replicas): keep own Q
-                logger.warning("DP sync of fragment %d: Q round met %d peer(s) other than the P round's; keeping own "
-                               "Q", f, len(q_group ^ p_group))
+            # the P group's members are there: no look at the swarm snapshot, whose records may lag
+            q_avg, q_group = await self._average(q, ("q", f) if tag is None else ("q", f, tag), paired=True)
+            if q_group != p_group:  # no Q average, or one of other peers (possible with 3+ replicas): own Q
+                logger.warning("DP sync of fragment %d: the Q round %s; keeping own Q", f,
+                               "found no partner" if not q_group else "met other peers than the P round")
                 q_avg, q_group = q, frozenset()
         out = await host.run(self.psgd.finish, q_avg)
         return out, max(1, min(len(p_group), len(q_group))), (p_avg, q_avg)
@@ -261,11 +262,12 @@ class SwarmDP:
     def _apply(self, avg) -> None:
         self.outer.apply(avg, self.params)
 
-    async def _average(self, tensors: dict[str, torch.Tensor],
-                       tag: tuple) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
+    async def _average(self, tensors: dict[str, torch.Tensor], tag: tuple,
+                       paired: bool = False) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
         """All-reduce (mean) ``tensors`` with the stage's group: the averaged values and the group's peer ids;
-        own values and an empty group when alone or on failure."""
-        if self.partners() < 1:
+        own values and an empty group when alone or on failure. Unless ``paired`` (partners known to be there),
+        a peer that sees no other replica of its stage does not look for a group."""
+        if not paired and self.partners() < 1:
             return tensors, frozenset()
         order = sorted(tensors)
         flat = torch.cat([tensors[n].reshape(-1).float() for n in order])
