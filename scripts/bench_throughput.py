@@ -739,9 +739,10 @@ def summarize(variant: str, peers: list[Peer], bench: BenchModel, replicas: int,
                 seg = {k: interpolate(tcp, t1, lambda x, k=k, i=p.ns_index: x["tcp"][i][k])
                        - interpolate(tcp, t0, lambda x, k=k, i=p.ns_index: x["tcp"][i][k])
                        for k in ("out_segs", "retrans_segs")}
+                # Linux counts OutSegs only for segments with new data (or none): retransmissions are on top
+                sent_segs = seg["out_segs"] + seg["retrans_segs"]
                 per_peer[p.name].update(tcp_out_segs=seg["out_segs"], tcp_retrans_segs=seg["retrans_segs"],
-                                        tcp_retrans_share=seg["retrans_segs"] / seg["out_segs"]
-                                        if seg["out_segs"] > 0 else None)
+                                        tcp_retrans_share=seg["retrans_segs"] / sent_segs if sent_segs > 0 else None)
         for a in perf.AXES:
             totals[a] += w["bytes"][a]
         if p.stage >= 0:

@@ -316,7 +316,9 @@ class EmulatedNetwork:
 
     def tcp_counters(self, i: int) -> dict[str, int]:
         """Peer ``i``'s kernel TCP counters (its namespace's ``/proc/net/snmp``): segments sent, received and
-        retransmitted so far. ``retrans_segs / out_segs`` is the share of the uplink spent on retransmission."""
+        retransmitted so far. Linux counts ``OutSegs`` only for segments that carry new data (or none), so
+        retransmissions come on top: ``retrans / (out + retrans)`` is the share of the uplink they took. A sender
+        whose own egress qdisc (the upload ``tbf``) drops can retransmit more segments than it sends new."""
         lines = [ln.split() for ln in self.run(i, ["cat", "/proc/net/snmp"]).splitlines() if ln.startswith("Tcp:")]
         if len(lines) < 2:
             raise RuntimeError(f"no Tcp counters in peer {i}'s /proc/net/snmp")

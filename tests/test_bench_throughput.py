@@ -159,7 +159,7 @@ def test_summarize_counts_wire_bytes_per_peer():
     assert out["wire_bytes_per_token"] == pytest.approx(13500 / 3000)
     assert out["wire_over_counted"] == pytest.approx(13500 / 450)
     assert d["tcp_out_segs"] == pytest.approx(60) and d["tcp_retrans_segs"] == pytest.approx(6)
-    assert d["tcp_retrans_share"] == pytest.approx(0.1) and f["tcp_retrans_share"] == 0.0
+    assert d["tcp_retrans_share"] == pytest.approx(6 / 66) and f["tcp_retrans_share"] == 0.0  # of all segments sent
     assert "wire_bytes_per_token" not in bt.summarize("dense", peers, bt.BenchModel(), 1, 10.0, 1.0)
 
 

@@ -99,11 +99,12 @@ def test_shaped_rate_and_clean_teardown(run_id, tmp_path):
     assert m.bytes <= up0 <= 1.15 * m.bytes + 100_000, (m.bytes, up0)
     assert m.bytes <= down1 <= 1.15 * m.bytes + 100_000, (m.bytes, down1)
     assert "NFQUEUE" not in rules  # no delay asked, no queue
-    # peer 0's own TCP counters: at least one segment per MSS of payload, retransmissions among them
+    # peer 0's own TCP counters: at least one segment per MSS of payload. Retransmissions come on top of OutSegs
+    # (Linux counts new data there), and can outnumber it when the upload tbf drops: only their sign is certain
     sent = tcp_after["out_segs"] - tcp_before["out_segs"]
     retrans = tcp_after["retrans_segs"] - tcp_before["retrans_segs"]
     assert m.bytes / 1500 <= sent <= 2 * m.bytes / 1000, (m.bytes, sent)
-    assert 0 <= retrans <= sent
+    assert retrans >= 0
     _assert_gone(run_id, state_path)
 
 
