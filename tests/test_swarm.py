@@ -138,6 +138,7 @@ def test_anchor_follows_dp_instead_of_fetching_weights(swarm_factory, tmp_path, 
         "mask.ratio=0.95", "anchor.enabled=true", "anchor.period=5", "anchor.snapshot=\"dp\"", "spectral.rank=4",
         f"train.steps={steps}", "dp.enabled=true", "dp.replicas=2", "dp.inner_steps=3", "dp.rank=4",
         "dp.round_timeout=10.0", "dp.overlap=true", f"anchor.allowed_keys=[{json.dumps(anchor_key)}]",
+        "dp.matchmaking_time=4.0",  # above the averager's 2 s join-request timeout, as hivemind recommends
         "anchor.priors=\"dht\"",  # the factors as DHT values (test_three_stages_and_anchor: served by the anchor)
         "dp.clock=\"driver\"",  # stage 1's replicas count their syncs on the driver's steps
     ])
