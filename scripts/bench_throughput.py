@@ -523,20 +523,19 @@ def message_timing(peers: list[Peer], t0: float, t1: float) -> dict[str, float]:
     """Medians of the drivers' calls to stage 1 that started in [t0, t1], from the peers' trace records: forward
     transit (send to the server's handler), serving time, the gradient's transit and the round trip (seconds;
     every peer runs on this host's clock). Matched by (driver, step, microbatch) and time."""
+    records = [r for p in peers for r in p.traces()]  # each peer's file read once
     serves: dict[tuple, list[dict]] = {}
-    for p in peers:
-        for r in p.traces():
-            if r.get("kind") == "serve" and r.get("stage") == 1:
-                serves.setdefault((r["driver"], r["step"], r["mb"]), []).append(r)
+    for r in records:
+        if r.get("kind") == "serve" and r.get("stage") == 1:
+            serves.setdefault((r["driver"], r["step"], r["mb"]), []).append(r)
     calls = []
-    for p in peers:
-        for c in p.traces():
-            if c.get("kind") != "call" or c.get("stage") != 0 or not t0 <= c["t_call"] <= t1:
-                continue
-            match = [s for s in serves.get((c["driver"], c["step"], c["mb"]), [])
-                     if c["t_call"] <= s["t_in"] and s["t_out"] <= c["t_back"]]
-            if match:
-                calls.append({**c, "t_in": match[-1]["t_in"], "t_out": match[-1]["t_out"]})
+    for c in records:
+        if c.get("kind") != "call" or c.get("stage") != 0 or not t0 <= c["t_call"] <= t1:
+            continue
+        match = [s for s in serves.get((c["driver"], c["step"], c["mb"]), [])
+                 if c["t_call"] <= s["t_in"] and s["t_out"] <= c["t_back"]]
+        if match:
+            calls.append({**c, "t_in": match[-1]["t_in"], "t_out": match[-1]["t_out"]})
     return perf_sim.call_timing(calls)
 
 

@@ -623,6 +623,9 @@ class RotQuantCodec(_SameBothWays):
     def _bits(self, kind: str) -> int:
         return self.grad_bits if kind == GRAD else self.bits
 
+    def _weighted(self, kind: str) -> bool:  # only activations carry channel weights
+        return self.weight != "none" and kind == ACTIVATION
+
     def encode(self, x: Tensor, ctx: BoundaryContext | None = None) -> EncodedPayload:
         return self._encode(ACTIVATION, x, ctx.gain if ctx is not None else None)
 
@@ -652,7 +655,7 @@ class RotQuantCodec(_SameBothWays):
             mean = z.mean(dim=(0, 1)).to(self.wire_dtype)  # (H,), rounded as it travels
             tensors["mean"] = mean
             z = z - mean.float()
-        if self.weight != "none" and kind == ACTIVATION:
+        if self._weighted(kind):
             w = self.channel_weights(z, gain)
             tensors["weight"] = w
             z = z * w.float()
@@ -667,7 +670,7 @@ class RotQuantCodec(_SameBothWays):
         bits = self._bits(kind)
         specs = {"codes": ((b, t, packed_width(h, bits)), torch.uint8), "rms": ((b, t), torch.float32)}
         centred = self.center and kind == ACTIVATION
-        weighted = self.weight != "none" and kind == ACTIVATION
+        weighted = self._weighted(kind)
         if centred:
             specs["mean"] = ((h,), self.wire_dtype)
         if weighted:
