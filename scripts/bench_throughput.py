@@ -344,8 +344,10 @@ def _sim_of(result: dict, variant: str, overhead_s: float, link_mbit: float | st
     """The event model of one recorded variant (its recorded inputs), with a given per-message overhead, on the
     nominal link, on ``link_mbit``, on the rate its run left the pipeline (``"available"``: less the idle
     swarm's traffic and the retransmissions), or (``"busy"``) on the link less the retransmissions with the idle
-    traffic charged only while the link carries pipeline bytes. ``charge_idle`` with a numeric ``link_mbit``:
-    that rate, charged as ``"busy"`` charges the recorded one (the plot's curves)."""
+    traffic charged only while the link carries pipeline bytes; ``"run"``: as ``"busy"``, with the traffic the
+    run itself put on the links beyond its payload (:func:`run_background`) in place of the idle swarm's.
+    ``charge_idle`` with a numeric ``link_mbit``: that rate, charged as ``"busy"`` charges the recorded one (the
+    plot's curves)."""
     r = result["variants"][variant]
     mi = r["model_inputs"]
     sz = WireSizes(mi["pp_fwd_bytes"], mi["pp_bwd_bytes"], mi["dp_per_sync"], mi["prior_per_cycle"],
@@ -359,10 +361,11 @@ def _sim_of(result: dict, variant: str, overhead_s: float, link_mbit: float | st
     background = 0.0
     if link_mbit == "available":  # what the run left the pipeline: less idle traffic and retransmissions
         link_mbit = mi.get("link_mbit_available", link["rate_mbit_each_way"])
-    elif link_mbit == "busy" or charge_idle:
-        rate = link["rate_mbit_each_way"] if link_mbit == "busy" else link_mbit
+    elif link_mbit in ("busy", "run") or charge_idle:
+        rate = link["rate_mbit_each_way"] if link_mbit in ("busy", "run") else link_mbit
+        key = "run_background_bytes_per_s" if link_mbit == "run" else "background_bytes_per_s"
         link_mbit = available_link_mbit(rate, 0.0, mi.get("retrans_share", 0.0))
-        background = mi.get("background_bytes_per_s", 0.0)
+        background = mi.get(key, 0.0)
     return simulate_variant(variant, BenchModel(**result["model"]), result["swarm"]["replicas_per_stage"],
                             mi["compute_s_per_microbatch"], sz, link_mbit,
                             link["delay_ms_one_way"], dp_inner_steps=mi["dp_inner_steps"],
@@ -701,6 +704,33 @@ def available_link_mbit(rate_mbit: float, background_bytes_per_s: float = 0.0, r
     return max(rate_mbit * (1.0 - retrans_share) - background_bytes_per_s * 8 / 1e6, 0.05 * rate_mbit)
 
 
+def swarm_kind(variant: str) -> str:
+    """Which peers and background tasks a variant's swarm runs: the idle traffic is measured once per kind."""
+    return {"m95_ap": "anchor", "m95_ap_dp": "anchor_dp"}.get(variant, "fast")
+
+
+def run_background(r: dict, replicas: int) -> float | None:
+    """Wire bytes per second that a recorded variant's fast peers uploaded beyond their counted payload, per
+    peer, less the anchor's snapshot (or DP log) reads, which the event model already sends (the serving peer
+    does not count them; the anchor does). ``None`` when the run recorded no link counters.
+
+    Anchor cycles in the window: the anchor's counted bytes over what one cycle counts (every stage's snapshot,
+    plus each prior once per replica with ``priors = rpc``, once with ``dht``)."""
+    mi, peers = r.get("model_inputs", {}), r.get("peers", {})
+    fast = [p for p in peers.values() if p.get("role") != "anchor" and "wire_up_bytes" in p]
+    if not fast or not r.get("window_s"):
+        return None
+    span = r["window_s"]
+    extra = sum(p["wire_up_bytes"] - sum(p["bytes_sent"].values()) for p in fast)
+    anchor = [p for p in peers.values() if p.get("role") == "anchor"]
+    snap = sum(mi.get("snapshot_per_cycle") or [0.0])
+    if anchor and snap > 0:
+        per_prior = replicas if mi.get("priors") == "rpc" else 1
+        per_cycle = snap + per_prior * sum(mi.get("prior_per_cycle") or [0.0])
+        extra -= snap * sum(p["bytes_sent"].get("anchor", 0.0) for p in anchor) / per_cycle
+    return max(extra / span / len(fast), 0.0)
+
+
 def summarize(variant: str, peers: list[Peer], bench: BenchModel, replicas: int, warmup_s: float,
               ready_s: float, link_samples: list[dict] | None = None) -> dict:
     drivers = [p for p in peers if p.role == "driver"]
@@ -804,19 +834,29 @@ def repredict(result: dict, message_overhead_s: float | None = None) -> None:
                                anchor_period=mi["anchor_period"])
         sim = _sim_of(result, v, overhead)
         measured_link = "link_mbit_available" in mi
+        run_bg = run_background(r, replicas)
+        if run_bg is not None:
+            mi["run_background_bytes_per_s"] = run_bg
         record_predictions(r, sim, pred, wave_tokens_per_s(pred, bench, replicas, link["delay_ms_one_way"]),
                            _sim_of(result, v, overhead, "available") if measured_link else None,
-                           _sim_of(result, v, overhead, "busy") if measured_link else None)
+                           _sim_of(result, v, overhead, "busy") if measured_link else None,
+                           _sim_of(result, v, overhead, "run") if measured_link and run_bg is not None else None)
 
 
 def record_predictions(r: dict, sim: perf_sim.SimResult, pred: perf.Prediction, wave: float,
                        sim_available: perf_sim.SimResult | None = None,
-                       sim_busy: perf_sim.SimResult | None = None) -> None:
+                       sim_busy: perf_sim.SimResult | None = None,
+                       sim_run: perf_sim.SimResult | None = None) -> None:
     """The event-level model is the prediction: on the link less the run's retransmissions with the idle swarm's
     traffic charged for the link's busy share (``sim_busy``) when the run measured that traffic, else on the
     nominal link. Kept beside it: the event model on the nominal link, on the link less all the idle traffic
-    (``sim_available``), the closed form and the wave bound."""
+    (``sim_available``), the closed form and the wave bound; and (``sim_run``) the event model charged, in place of
+    the idle swarm's traffic, with what the run itself sent beyond its payload: an account of the run, not a
+    prediction, since that traffic is measured in the run it explains."""
     measured = r["tokens_per_s"]
+    if sim_run is not None:
+        r["accounted_tokens_per_s"] = sim_run.tokens_per_s
+        r["accounted_error_pct"] = 100 * (sim_run.tokens_per_s - measured) / measured
     if sim_available is not None:
         r["predicted_available_link_tokens_per_s"] = sim_available.tokens_per_s
         r["available_link_error_pct"] = 100 * (sim_available.tokens_per_s - measured) / measured
@@ -917,8 +957,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window-s-anchor", type=float, default=None,
                     help="window of the variants with an anchor (long enough for whole anchor cycles to land in it)")
     ap.add_argument("--idle-s", type=float, default=30.0,
-                    help="first measure the idle swarm's own traffic (DHT) for this long; a second event-model "
-                         "prediction takes it, and each variant's measured retransmissions, off the link (0: skip)")
+                    help="first measure the idle swarm's own traffic (DHT) for this long, once per kind of swarm "
+                         "(no anchor; anchor; anchor + DP); the prediction charges it, and each variant's measured "
+                         "retransmissions, to the link (0: skip)")
+    ap.add_argument("--idle-only", action="store_true",
+                    help="only measure the idle traffic of each kind of swarm the variants run, and write that")
     ap.add_argument("--anchor-period", type=int, default=10)
     ap.add_argument("--spectral-rank", type=int, default=8, help="rank of the anchor's published priors")
     ap.add_argument("--dp-matchmaking-s", type=float, default=DP_MATCHMAKING_S,
@@ -993,20 +1036,28 @@ def main(argv: list[str] | None = None) -> int:
     with netem.emulated_network(netem.NetemConfig(peers=n_ns, rate_mbit=rate, delay_ms=args.delay_ms), state) as net:
         tbf = reshape_tbf(net, rate, args.delay_ms)
         cc = net.congestion_control(0)
-        idle: dict[str, Any] | None = None
-        background = 0.0
+        # the idle swarm's own traffic (DHT upkeep), once per kind of swarm the variants run: the anchor and the DP
+        # averagers have background tasks of their own. The m95 swarm stands for every anchor-less variant.
+        idle: dict[str, Any] = {}
+        background: dict[str, float] = {}
         if args.idle_s > 0:
-            try:
-                idle = run_variant(net, "m95", bench, args.replicas, workdir, args.cache_dir, warmup_s=0.0,
-                                   window_s=0.0, pin=args.pin, anchor_period=args.anchor_period,
-                                   dp_inner_steps=args.dp_inner_steps, idle_s=args.idle_s)
-                background = statistics.mean(idle["up_bytes_per_s"].values())
-                logger.info("idle swarm: %.1f kB/s per peer up (%s)", background / 1e3,
-                            ", ".join(f"{k} {v / 1e3:.1f}" for k, v in idle["up_bytes_per_s"].items()))
-            except Exception as exc:
-                logger.error("idle measurement failed: %s", exc)
-                idle = {"error": str(exc)}
-        for v in variants:
+            kinds = {swarm_kind(v): v if swarm_kind(v) != "fast" else "m95" for v in variants}
+            for kind, iv in sorted(kinds.items()):
+                try:
+                    idle[kind] = run_variant(net, iv, bench, args.replicas, workdir, args.cache_dir, warmup_s=0.0,
+                                             window_s=0.0, pin=args.pin, anchor_period=args.anchor_period,
+                                             dp_inner_steps=args.dp_inner_steps, dp_overlap=not args.dp_blocking,
+                                             anchor_snapshot=args.anchor_snapshot, priors=args.priors,
+                                             dp_matchmaking_s=args.dp_matchmaking_s, dp_clock=args.dp_clock,
+                                             idle_s=args.idle_s)
+                    fast = {k: b for k, b in idle[kind]["up_bytes_per_s"].items() if k != "anchor"}
+                    background[kind] = statistics.mean(fast.values())
+                    logger.info("idle %s swarm: %.1f kB/s per fast peer up (%s)", kind, background[kind] / 1e3,
+                                ", ".join(f"{k} {b / 1e3:.1f}" for k, b in idle[kind]["up_bytes_per_s"].items()))
+                except Exception as exc:
+                    logger.error("idle measurement (%s) failed: %s", kind, exc)
+                    idle[kind] = {"error": str(exc)}
+        for v in variants if not args.idle_only else []:
             fwd, bwd = codec_sizes(v, bench)
             vs = WireSizes(fwd, bwd, sizes.dp_per_sync, sizes.prior_per_cycle, sizes.snapshot_per_cycle,
                            sizes.dp_log_per_sync)
@@ -1030,7 +1081,8 @@ def main(argv: list[str] | None = None) -> int:
             cmb = [res["compute_s_per_microbatch"].get(f"stage{s}", compute[s]) for s in range(bench.stages)]
             shares = [p["tcp_retrans_share"] for p in res["peers"].values() if p.get("tcp_retrans_share") is not None]
             retrans = statistics.mean(shares) if shares else 0.0
-            avail = available_link_mbit(rate, background, retrans)
+            bg = background.get(swarm_kind(v), background.get("fast", 0.0))
+            avail = available_link_mbit(rate, bg, retrans)
             pred = predict_variant(v, bench, args.replicas, cmb, vs, rate, args.delay_ms,
                                    dp_inner_steps=args.dp_inner_steps, anchor_period=args.anchor_period)
             sim = simulate_variant(v, bench, args.replicas, cmb, vs, rate, args.delay_ms,
@@ -1044,7 +1096,8 @@ def main(argv: list[str] | None = None) -> int:
                                    "dp_per_sync": vs.dp_per_sync, "prior_per_cycle": vs.prior_per_cycle,
                                    "snapshot_per_cycle": vs.snapshot_per_cycle, "dp_inner_steps": args.dp_inner_steps,
                                    "anchor_period": args.anchor_period, "dp_overlap": not args.dp_blocking,
-                                   "background_bytes_per_s": background, "retrans_share": retrans,
+                                   "background_bytes_per_s": bg, "background_swarm":
+                                   swarm_kind(v) if swarm_kind(v) in background else "fast", "retrans_share": retrans,
                                    "link_mbit_available": avail, "priors": args.priors if v in ("m95_ap", "m95_ap_dp")
                                    else None, "dp_matchmaking_s": args.dp_matchmaking_s, "dp_clock": args.dp_clock,
                                    "anchor_snapshot": "dp" if follows_dp else "full" if v in ("m95_ap", "m95_ap_dp")

@@ -191,3 +191,42 @@ def test_an_anchor_that_follows_dp_pays_the_log_not_the_weights():
     runs = {name: bt.simulate_variant("m95_ap_dp", b, 2, [0.02, 0.02], sz, 0.7, 20.0, anchor_period=20, steps=40)
             for name, sz in (("full", full), ("follow", follow))}
     assert runs["follow"].tokens_per_s > runs["full"].tokens_per_s  # the 2 MB weight fetches are gone
+
+
+def test_run_background_is_the_fast_peers_unpaid_upload_less_the_anchors_reads():
+    """Fast peers' wire upload beyond their counted bytes, per peer and second, less the snapshot bytes the anchor
+    read from them (it counts them, they do not), which the event model already sends."""
+    mi = {"snapshot_per_cycle": [1000.0, 3000.0], "prior_per_cycle": [500.0, 500.0], "priors": "rpc"}
+    peers = {
+        "driver-0": {"role": "driver", "bytes_sent": {"pp_fwd": 4000.0}, "wire_up_bytes": 10000.0},
+        "stage1-0": {"role": "fast", "bytes_sent": {"pp_bwd": 3000.0, "dp": 1000.0}, "wire_up_bytes": 14000.0},
+        # 2 cycles: per cycle 4000 B of snapshots + 2 replicas x 1000 B of priors = 6000 B counted by the anchor
+        "anchor": {"role": "anchor", "bytes_sent": {"anchor": 12000.0}, "wire_up_bytes": 9000.0},
+    }
+    r = {"window_s": 10.0, "model_inputs": mi, "peers": peers}
+    # unpaid: 6000 + 10000 = 16000 B, less 2 x 4000 B of snapshots = 8000 B over 2 peers and 10 s
+    assert bt.run_background(r, replicas=2) == pytest.approx(400.0)
+    dht = {**r, "model_inputs": {**mi, "priors": "dht"}}  # one store per prior: 5000 B a cycle, 2.4 cycles
+    assert bt.run_background(dht, replicas=2) == pytest.approx((16000 - 2.4 * 4000) / 20)
+    no_anchor = {"window_s": 10.0, "model_inputs": mi, "peers": {k: v for k, v in peers.items() if k != "anchor"}}
+    assert bt.run_background(no_anchor, replicas=2) == pytest.approx(800.0)
+    assert bt.run_background({"window_s": 10.0, "peers": {"d": {"role": "driver", "bytes_sent": {}}}}, 2) is None
+    assert [bt.swarm_kind(v) for v in ("dense", "m95", "m95_ap", "m95_ap_dp")] == ["fast", "fast", "anchor",
+                                                                                   "anchor_dp"]
+
+
+def test_the_run_account_charges_the_runs_own_background():
+    """``_sim_of(..., "run")`` charges the run's unpaid traffic where ``"busy"`` charges the idle swarm's: more of it
+    leaves a link-bound variant less, the same amount gives the same rate."""
+    b = bt.BenchModel()
+    fwd, bwd = bt.codec_sizes("dense", b)
+    mi = {"compute_s_per_microbatch": [0.02, 0.02], "pp_fwd_bytes": fwd, "pp_bwd_bytes": bwd, "dp_per_sync": 0.0,
+          "prior_per_cycle": 0.0, "snapshot_per_cycle": 0.0, "dp_inner_steps": 10, "anchor_period": 10,
+          "background_bytes_per_s": 20_000.0, "run_background_bytes_per_s": 20_000.0}
+    result = {"model": {f: getattr(b, f) for f in b.__dataclass_fields__}, "swarm": {"replicas_per_stage": 2},
+              "link": {"rate_mbit_each_way": 0.7, "delay_ms_one_way": 20.0},
+              "variants": {"dense": {"model_inputs": mi, "steps_in_window": [5, 5]}}}
+    busy = bt._sim_of(result, "dense", 0.0, "busy").tokens_per_s
+    assert bt._sim_of(result, "dense", 0.0, "run").tokens_per_s == pytest.approx(busy)
+    mi["run_background_bytes_per_s"] = 40_000.0
+    assert bt._sim_of(result, "dense", 0.0, "run").tokens_per_s < 0.9 * busy
