@@ -147,6 +147,7 @@ def test_prior_reader_reads_the_factors_once_per_cycle():
     shapes = {"a": (8, 4), "b": (4, 6)}
     node = _FakeReaderNode(keys.load_or_create_identity(None), shapes)
     reader = PriorReader(node)
+    reader.full_period = 0.0  # every header read merges every holder (the period has its own test)
     head, data = keys.prior_key("run", 1), keys.prior_data_key("run", 1)
     assert asyncio.run(reader.poll()) is None and node.reads == [head]  # no header: the factors are not read
     node.publish(_prior(shapes, step=5))
@@ -169,6 +170,28 @@ def test_prior_reader_reads_the_factors_once_per_cycle():
     assert asyncio.run(reader.poll()) is None and node.reads == [head, data] and node.latest == [True, False]
     node.publish({"b": half["b"]})
     assert asyncio.run(reader.poll()) == 9 and node.pushed == [5, 9] and node.latest[-1] is True
+
+
+def test_prior_reader_merges_every_holder_only_every_full_period(monkeypatch):
+    """The 2 s header poll reads one holder's copy; every ``full_period`` seconds it merges every holder's, and a
+    new cycle is found by either."""
+    import asyncio
+
+    import meshnode.node.priors as priors_mod
+
+    now = [100.0]
+    monkeypatch.setattr(priors_mod.time, "monotonic", lambda: now[0])
+    shapes = {"a": (8, 4)}
+    node = _FakeReaderNode(keys.load_or_create_identity(None), shapes)
+    reader = PriorReader(node)
+    assert reader.full_period == 10.0
+    for t in (100.0, 102.0, 104.0, 109.9, 110.0, 112.0, 120.5):
+        now[0] = t
+        assert asyncio.run(reader.poll()) is None
+    assert node.latest == [True, False, False, False, True, False, True]
+    node.publish(_prior(shapes, step=5))
+    now[0] = 122.0  # a first-holder read finds the new cycle too
+    assert asyncio.run(reader.poll()) == 5 and node.latest[-2:] == [False, False] and node.pushed == [5]
 
 
 ANCHOR_PEER = "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"

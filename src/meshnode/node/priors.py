@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from hivemind.p2p import PeerID
@@ -36,6 +37,7 @@ from ..protocol import keys
 from ..protocol.limits import FRAME_SLACK
 from ..protocol.messages import WireError, tensor_from_bytes
 from ..protocol.records import PriorRecordSchema, cycle_digest, factors_digest
+from .swarm import FULL_REFRESH_PERIOD
 from ..protocol.servicer import collect_stream
 
 logger = logging.getLogger(__name__)
@@ -114,6 +116,11 @@ class PriorReader:
         self.ignored = 0
         self.refused: set[tuple[str, int]] = set()  # (owner, anchor step) refused for its content
         self.incomplete = False  # the last read of the factors missed a matrix: the next one merges every holder
+        # the header is polled often: one holder's copy (usually this node's own storage: no traffic) on most
+        # polls, every holder's merged copy every ``full_period`` seconds. Merging on every 2 s poll of every
+        # fast peer was most of what an anchor added to the swarm's idle traffic (docs/throughput.md)
+        self.full_period = FULL_REFRESH_PERIOD
+        self._last_full = -float("inf")
         self._logged: set[tuple[str, int, str]] = set()
         opt = node.host.worker.optimizer
         self.shapes = {name: (int(opt.params[name].shape[0]), int(opt.params[name].shape[1])) for name in opt.filters}
@@ -179,7 +186,10 @@ class PriorReader:
     async def poll(self) -> int | None:
         """Read the headers; for a new cycle from an allowed anchor read its factors, check and apply them."""
         node = self.node
-        heads = self._by_owner(await node.swarm.get_key(keys.prior_key(node.run_id, node.stage)))
+        full = time.monotonic() - self._last_full >= self.full_period
+        heads = self._by_owner(await node.swarm.get_key(keys.prior_key(node.run_id, node.stage), latest=full))
+        if full:
+            self._last_full = time.monotonic()
         fresh = {}
         for owner, entries in heads.items():
             head = entries.get(HEADER_NAME) or {}
