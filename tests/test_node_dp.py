@@ -282,3 +282,18 @@ def test_the_overlapped_schedule_logs_each_outer_step_when_it_is_applied():
         torch.testing.assert_close(fol.params["w"], dp.outer.start["w"], atol=2e-2, rtol=1e-2)
 
     asyncio.run(scenario())
+
+
+def test_the_anchor_keeps_to_the_followed_log_for_a_grace_period():
+    """An anchor asks only the peer whose DP log it follows while that peer answered less than the grace period
+    ago (another replica would cost its whole outer state); before anything is followed, or after the grace,
+    every candidate, the followed one first."""
+    from meshnode.node.anchor import SOURCE_GRACE_S, follow_order
+
+    peers = ["a", "b", "c", "d"]
+    assert follow_order(peers, None, -float("inf"), 0.0) == ["a", "b", "c"]  # nothing followed: anyone
+    assert follow_order(peers, "c", 100.0, 101.0) == ["c"]
+    assert follow_order(["a", "b"], "c", 100.0, 101.0) == []  # the source is missing: wait for it
+    late = 100.0 + SOURCE_GRACE_S
+    assert follow_order(["a", "b"], "c", 100.0, late) == ["a", "b"]
+    assert follow_order(peers, "c", 100.0, late) == ["c", "a", "b"]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import torch
 from hivemind.p2p import PeerID
@@ -46,6 +47,22 @@ from .status import driver_step
 logger = logging.getLogger(__name__)
 
 ANCHOR_SEED_OFFSET = 1_000_003  # the mesh anchor's offset (meshnode.mesh.anchor)
+SOURCE_GRACE_S = 60.0  # how long a followed DP log's peer may be unreachable before another one is loaded
+
+
+def follow_order(candidates: list[str], source: str | None, last_ok: float, now: float,
+                 grace_s: float = SOURCE_GRACE_S) -> list[str]:
+    """The peers an anchor asks, in order, for one stage's DP log (``anchor.snapshot = "dp"``).
+
+    The followed peer (``source``) continues its log: a few entries. Any other replica's log starts with its
+    whole outer state (start weights and velocity: nine log entries' worth in the benchmark swarm, 1.2 MB
+    there), which on a slow link is a long transfer that a connection hiccup cuts off. So while the source was
+    last reached less than ``grace_s`` ago, only the source is asked (or nobody, while it is missing from the
+    snapshot: the cycle is tried again); after that, or before anything is followed, every candidate, the
+    source first. At most three."""
+    if source is None or now - last_ok >= grace_s:
+        return sorted(candidates, key=lambda c: c != source)[:3]
+    return [source] if source in candidates else []
 
 
 class PriorServicer(RPCServicer):
@@ -118,6 +135,7 @@ class AnchorRunner:
                 for name in sorted(w.optimizer.filters)
             })
         self.followers: list[DPFollower] = []
+        self._source_ok: dict[int, float] = {}  # stage -> when its followed peer last gave its log
         if cfg.anchor.snapshot == "dp":
             self.followers = [DPFollower(dict(w.module.named_parameters()), lr=cfg.dp.outer_lr,
                                          momentum=cfg.dp.outer_momentum, rank=cfg.dp.rank) for w in self.workers]
@@ -158,6 +176,7 @@ class AnchorRunner:
                     logger.warning("announce failed: %r", exc)
 
         node.tasks.append(asyncio.create_task(announce_loop()))
+        last_error = None
         while not node.stopping.is_set():
             try:
                 peers = await node.swarm.refresh()
@@ -165,8 +184,10 @@ class AnchorRunner:
                     await self.cycle()
                     self.next_at = driver_step(node.swarm.peers) + self.cfg.anchor.period
                     await self._announce("online")
-            except Exception as exc:
-                logger.warning("anchor cycle failed: %r", exc)
+                    last_error = None
+            except Exception as exc:  # retried each second; the same failure is logged once
+                (logger.debug if repr(exc) == last_error else logger.warning)("anchor cycle failed: %r", exc)
+                last_error = repr(exc)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(node.stopping.wait(), 1.0)
         await self._announce("offline")
@@ -222,9 +243,13 @@ class AnchorRunner:
         """``anchor.snapshot = "dp"``: bring the stage's global weights up to date from a fast peer's DP log."""
         swarm = self.node.swarm
         fol = self.followers[stage]
-        peers = sorted(swarm.candidates(stage), key=lambda p: p.peer_id != fol.source)[:3]  # the followed one first
+        by_id = {p.peer_id: p for p in swarm.candidates(stage)}
+        order = follow_order(list(by_id), fol.source, self._source_ok.get(stage, -float("inf")), time.monotonic())
+        if not order:
+            raise RuntimeError(f"stage {stage}: the followed peer {fol.source[-8:]} is not reachable; waiting for it "
+                               f"up to {SOURCE_GRACE_S:.0f} s before loading another peer's outer state")
         last = None
-        for peer in peers:
+        for peer in (by_id[i] for i in order):
             try:
                 ask = fol.since(peer.peer_id)
                 meta: dict = {}
@@ -244,13 +269,15 @@ class AnchorRunner:
                     if meta.get("gap"):
                         raise RuntimeError("DP log gap right after loading the outer state")
                 n = await asyncio.to_thread(fol.replay, peer.peer_id, meta["dp_epoch"], entries)
+                self._source_ok[stage] = time.monotonic()
                 logger.info("anchor: stage %d replayed %d DP outer steps of %s (now at entry %d)", stage, n,
                             peer.peer_id[-8:], fol.seq)
                 return meta["opt_step"]
             except Exception as exc:
                 last = exc
                 logger.warning("anchor: following DP of stage %d via %s failed: %r", stage, peer.peer_id[-8:], exc)
-                swarm.avoid(peer.peer_id)
+                if peer.peer_id != fol.source:  # the followed peer is asked again next time (follow_order)
+                    swarm.avoid(peer.peer_id)
         raise RuntimeError(f"stage {stage}: no peer gave its DP log ({last})")
 
     def _pass(self, ids: torch.Tensor, step: int) -> list[dict[str, torch.Tensor]]:

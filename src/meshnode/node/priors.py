@@ -37,8 +37,8 @@ from ..protocol import keys
 from ..protocol.limits import FRAME_SLACK
 from ..protocol.messages import WireError, tensor_from_bytes
 from ..protocol.records import PriorRecordSchema, cycle_digest, factors_digest
-from .swarm import FULL_REFRESH_PERIOD
 from ..protocol.servicer import collect_stream
+from .swarm import FULL_REFRESH_PERIOD
 
 logger = logging.getLogger(__name__)
 
