@@ -381,3 +381,24 @@ def test_a_full_read_that_finds_nothing_keeps_the_live_peers():
     now = get_dht_time()
     client.peers = [peer("a", 0, updated=1.0, expiration=now + 100), peer("b", 1, updated=1.0, expiration=now - 1)]
     assert [p.peer_id for p in asyncio.run(client.refresh(full=True))] == ["a"]  # b's record expired
+
+
+def test_dp_partners_outlive_a_flicker_of_the_snapshot(monkeypatch):
+    """A partner whose record dropped out of the snapshot for a moment still counts for ``recent_partners``
+    (DP then still looks for a group); one gone longer than the memory, or announced offline, does not."""
+    from meshnode.node import swarm as swarm_mod
+
+    clock = [100.0]
+    monkeypatch.setattr(swarm_mod.time, "monotonic", lambda: clock[0])
+    client = swarm_mod.SwarmClient(_FakeDHT(), "run", identity=None)  # this peer's id is "me"
+    client._remember([peer("me", 1), peer("b", 1), peer("c", 2), peer("a", 0, "driver"), peer("x", 1, "anchor")])
+    assert client.recent_partners(1) == 1 and client.recent_partners(0) == 1 and client.recent_partners(2) == 1
+    clock[0] = 120.0
+    client._remember([peer("me", 1)])  # b's record expired out of the snapshot: still a partner
+    assert client.recent_partners(1) == 1
+    clock[0] = 100.0 + swarm_mod.PARTNER_MEMORY_S + 0.1
+    assert client.recent_partners(1) == 0  # not seen for longer than the memory
+    client._remember([peer("b", 1)])
+    assert client.recent_partners(1) == 1
+    client._remember([peer("b", 1, state="offline")])  # it left: at once
+    assert client.recent_partners(1) == 0

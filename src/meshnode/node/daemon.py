@@ -320,7 +320,7 @@ class SwarmNode:
             from .dp import SwarmDP
 
             self.host.dp = SwarmDP(self.host, self.swarm.dht, self.run_id, self.counter,
-                                   partners=lambda: len(self.swarm.candidates(self.stage)), clock=self._dp_clock)
+                                   partners=lambda: self.swarm.recent_partners(self.stage), clock=self._dp_clock)
             self.host.after_step_hooks.append(self.host.dp.after_step)
         await self._load_initial_state(ckpt)
         self.servicer = StageServicer(self.host, self.host.limits.max_message_bytes)

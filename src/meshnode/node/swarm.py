@@ -58,6 +58,7 @@ def order_candidates(peers: list[PeerRecord], inflight: dict[str, int], rng: ran
 
 
 FULL_REFRESH_PERIOD = 10.0  # seconds between full (every-holder) reads of the peer records
+PARTNER_MEMORY_S = 30.0  # a same-stage peer seen online this recently still counts as a DP partner
 
 
 def merge_peers(held: list[PeerRecord], found: list[PeerRecord], now: float) -> list[PeerRecord]:
@@ -120,6 +121,7 @@ class SwarmClient:
         # first holder, usually this node's own storage (see refresh)
         self.full_refresh_period = FULL_REFRESH_PERIOD
         self._last_full = -float("inf")
+        self._seen: dict[str, tuple[float, int]] = {}  # serving peer id -> (last seen online, stage)
 
     async def start(self) -> None:
         self.p2p = await self.dht.replicate_p2p()
@@ -147,7 +149,24 @@ class SwarmClient:
             # alive (docs/throughput.md, 2026-12-03 fourth session); records still leave when they expire
             self.peers = merge_peers(self.peers, parse_peers(found), get_dht_time())
             self.snapshot_time = time.monotonic()
+            self._remember(self.peers)
             return self.peers
+
+    def _remember(self, peers: list[PeerRecord]) -> None:
+        now = time.monotonic()
+        for r in peers:
+            if r.state == "offline":  # left gracefully: not a partner any more
+                self._seen.pop(r.peer_id, None)
+            elif r.state == "online" and r.role in ("fast", "driver"):
+                self._seen[r.peer_id] = (now, r.stage)
+
+    def recent_partners(self, stage: int, within_s: float = PARTNER_MEMORY_S) -> int:
+        """Other serving peers of ``stage`` seen online in the last ``within_s`` seconds. A record can drop out
+        of the snapshot for a moment (an announcement late on a congested link lets it expire) while its
+        peer is alive; DP asks this, not the snapshot, whether to look for a group at all."""
+        now = time.monotonic()
+        return sum(1 for pid, (t, s) in self._seen.items()
+                   if s == stage and pid != self.peer_id and now - t <= within_s)
 
     async def get_key(self, key: str, latest: bool = True) -> Any:
         """``key``'s value. ``latest=True`` asks every node on the search path and merges their subkeys (each
