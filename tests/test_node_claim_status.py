@@ -402,3 +402,50 @@ def test_dp_partners_outlive_a_flicker_of_the_snapshot(monkeypatch):
     assert client.recent_partners(1) == 1
     client._remember([peer("b", 1, state="offline")])  # it left: at once
     assert client.recent_partners(1) == 0
+
+
+def test_a_cut_stream_on_the_live_replica_costs_a_retry_not_a_stall(monkeypatch):
+    """Stage 1: one replica dead (refused at dial), the live one's reply cut once (a reset connection). The call
+    goes back to the live replica after its short pause instead of waiting ``stall_timeout`` for an untried
+    peer (it stalled the churn test's run for 61 s); a dead stage still ends in a ChainError."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from hivemind.utils import get_dht_time
+
+    from meshnode.node import swarm as swarm_mod
+    from meshnode.protocol.messages import WireError
+
+    live, dead = "QmGoodPeerAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA", "QmDeadPeerBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB"
+    calls: list[str] = []
+    cut = [1]
+
+    async def fake_call(p2p, peer_id, handler, request, **kw):
+        who = live if "Good" in peer_id.to_base58() else dead
+        calls.append(who)
+        if who == dead:
+            raise ConnectionRefusedError("connect: connection refused")
+        if cut[0]:
+            cut[0] -= 1
+            raise WireError("truncated frame: 131072 of 131205 bytes")
+        return {"ok": True}
+
+    monkeypatch.setattr(swarm_mod, "call_rpc", fake_call)
+    client = swarm_mod.SwarmClient(_FakeDHT(), "run", identity=None,
+                                   limits=SimpleNamespace(max_retries=3, rpc_timeout=5.0, connect_timeout=1.0,
+                                                          max_message_bytes=1 << 20))
+    client.p2p = object()
+    far = get_dht_time() + 3600  # the records outlive the test (refresh drops expired ones)
+    client.peers = [peer(live, 1, expiration=far), peer(dead, 1, expiration=far)]
+
+    async def call(timeout):
+        return await asyncio.wait_for(client.call_stage(1, lambda nonce: {"nonce": nonce}, stall_timeout=30.0),
+                                      timeout)
+
+    assert asyncio.run(call(10.0)) == {"ok": True}  # waiting out the 30 s stall timeout would time out here
+    assert calls.count(live) == 2 and calls.count(dead) <= 1
+    cut[0], calls[:] = 10, []  # the live replica keeps failing: four attempts, then a ChainError
+    client._avoid.clear()
+    with pytest.raises(swarm_mod.ChainError):
+        asyncio.run(call(20.0))
+    assert len(calls) == 4
