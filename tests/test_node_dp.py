@@ -297,3 +297,37 @@ def test_the_anchor_keeps_to_the_followed_log_for_a_grace_period():
     late = 100.0 + SOURCE_GRACE_S
     assert follow_order(["a", "b"], "c", 100.0, late) == ["a", "b"]
     assert follow_order(peers, "c", 100.0, late) == ["c", "a", "b"]
+
+
+def test_a_retried_microbatch_the_host_completed_is_answered_once(tiny_cfg, cache_dir):
+    """A retry (new attempt) of a microbatch this host already completed, whose reply was lost on the way back,
+    gets the first result again: its gradient is accumulated and counted toward the step once (a CI run of
+    the mesh-equivalence test diverged at the step where a cut reply was retried)."""
+    import asyncio
+
+    from meshnode.compression import DenseCodec
+    from meshnode.model import cut_model, load_model
+    from meshnode.node.host import StageHost
+    from meshnode.protocol.limits import Limits
+    from meshnode.stage import StageWorker
+
+    cfg = tiny_cfg("model.stages=2", "train.microbatches=2", "mask.ratio=0")
+    model, _ = load_model(cfg.model, cache_dir)
+    mod = cut_model(model, 2)[1]
+    host = StageHost(StageWorker(mod, cfg), cfg, Limits.from_config(cfg, cfg.model.tiny_hidden, cfg.model.tiny_vocab),
+                     "run")
+    B, T = cfg.train.batch_size, cfg.data.seq_len
+    x = DenseCodec("bfloat16").encode(torch.randn(B, T, cfg.model.tiny_hidden))
+    y = torch.randint(0, 200, (B, T))
+
+    async def go():
+        first = await host.process(driver="d", step=0, mb=0, attempt=1, inputs=x, labels=y)
+        grads = {n: p.grad.clone() for n, p in mod.named_parameters() if p.grad is not None}
+        again = await host.process(driver="d", step=0, mb=0, attempt=2, inputs=x, labels=y)
+        assert again[1] == first[1] and again[0] is first[0]
+        assert all(torch.equal(p.grad, grads[n]) for n, p in mod.named_parameters() if n in grads)  # not twice
+        assert host.tokens == B * T and not host.gate_closed()  # one of two microbatches counted
+        other = await host.process(driver="e", step=0, mb=0, attempt=1, inputs=x, labels=y)  # another driver's
+        assert other[1] == pytest.approx(first[1]) and host.tokens == 2 * B * T
+
+    asyncio.run(go())

@@ -27,7 +27,7 @@ import asyncio
 import io
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -88,6 +88,11 @@ class StageHost:
         self._step_due = False
         self._stepping = False
         self._mb_locks: dict[tuple[int, int], asyncio.Lock] = {}
+        # (driver, step, mb) -> (input grad, loss) of the microbatches completed last: a retry of one of them (its
+        # reply was lost on the way back, a cut stream) gets this result again; running it again would
+        # accumulate its gradient twice and count it twice toward the step
+        self._completed: OrderedDict[tuple[str, int, int], tuple[Any, float]] = OrderedDict()
+        self._completed_max = max(8, 4 * cfg.train.microbatches)
         self._seen: dict[str, tuple[int, set]] = {}
         self._step_task: asyncio.Task | None = None
         self.busy_timeout = 1.0  # a forward that finds this replica stepping longer than this is told "busy"
@@ -221,6 +226,9 @@ class StageHost:
         lock = self._mb_locks.setdefault(key, asyncio.Lock())
         try:
             async with lock:  # two drivers may use the same (step, mb): one at a time on this worker
+                done = self._completed.get((driver, step, mb))
+                if done is not None:  # a retry of a microbatch this host completed: the same reply, counted once
+                    return done
                 mbid = MicrobatchId(step, mb)
                 out = await self.run(self._timed, self.worker.forward, mbid, inputs,
                                      labels if self.worker.is_last else None)
@@ -252,6 +260,9 @@ class StageHost:
                     await self.run(self.worker.discard, mbid)
                     raise
             completed = True
+            self._completed[(driver, step, mb)] = (grad_in, loss)
+            while len(self._completed) > self._completed_max:
+                self._completed.popitem(last=False)
             ntok = int(labels.numel())
             self.tokens += ntok
             self._window.append((time.monotonic(), ntok))
