@@ -1041,7 +1041,9 @@ def main(argv: list[str] | None = None) -> int:
         idle: dict[str, Any] = {}
         background: dict[str, float] = {}
         if args.idle_s > 0:
-            kinds = {swarm_kind(v): v if swarm_kind(v) != "fast" else "m95" for v in variants}
+            kinds = {swarm_kind(v): v for v in variants if swarm_kind(v) != "fast"}
+            if any(swarm_kind(v) == "fast" for v in variants):
+                kinds["fast"] = "m95"  # stands for every anchor-less variant
             for kind, iv in sorted(kinds.items()):
                 try:
                     idle[kind] = run_variant(net, iv, bench, args.replicas, workdir, args.cache_dir, warmup_s=0.0,
@@ -1081,7 +1083,8 @@ def main(argv: list[str] | None = None) -> int:
             cmb = [res["compute_s_per_microbatch"].get(f"stage{s}", compute[s]) for s in range(bench.stages)]
             shares = [p["tcp_retrans_share"] for p in res["peers"].values() if p.get("tcp_retrans_share") is not None]
             retrans = statistics.mean(shares) if shares else 0.0
-            bg = background.get(swarm_kind(v), background.get("fast", 0.0))
+            kind = swarm_kind(v) if swarm_kind(v) in background else "fast"  # the m95 swarm's when not measured
+            bg = background.get(kind, 0.0)
             avail = available_link_mbit(rate, bg, retrans)
             pred = predict_variant(v, bench, args.replicas, cmb, vs, rate, args.delay_ms,
                                    dp_inner_steps=args.dp_inner_steps, anchor_period=args.anchor_period)
@@ -1096,8 +1099,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "dp_per_sync": vs.dp_per_sync, "prior_per_cycle": vs.prior_per_cycle,
                                    "snapshot_per_cycle": vs.snapshot_per_cycle, "dp_inner_steps": args.dp_inner_steps,
                                    "anchor_period": args.anchor_period, "dp_overlap": not args.dp_blocking,
-                                   "background_bytes_per_s": bg, "background_swarm":
-                                   swarm_kind(v) if swarm_kind(v) in background else "fast", "retrans_share": retrans,
+                                   "background_bytes_per_s": bg, "background_swarm": kind, "retrans_share": retrans,
                                    "link_mbit_available": avail, "priors": args.priors if v in ("m95_ap", "m95_ap_dp")
                                    else None, "dp_matchmaking_s": args.dp_matchmaking_s, "dp_clock": args.dp_clock,
                                    "anchor_snapshot": "dp" if follows_dp else "full" if v in ("m95_ap", "m95_ap_dp")
