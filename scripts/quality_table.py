@@ -41,6 +41,9 @@ AP = ["anchor.enabled=true", "anchor.period=20", "spectral.alpha=0.3", "spectral
 DP = ["dp.enabled=true", "dp.replicas=2", "dp.inner_steps=10", "dp.rank=16", "dp.quantize=true", "dp.fragments=2",
       "dp.outer_lr=0.7", "dp.outer_momentum=0.9"]
 
+# not a config key: the script refreshes every sender's copy of its receiver's gains after each step (mesh only)
+LIVE_GAINS = "bench.live_gains=true"
+
 VARIANTS: dict[str, list[str]] = {
     # the table the issue asks for
     "dense": [],
@@ -94,26 +97,70 @@ VARIANTS: dict[str, list[str]] = {
     "rotq4_ns_g2": ["mask.codec=rotq", "mask.bits=4", "mask.rotq_weight=norm_std", "mask.grad_bits=2"],
     "rotq4_ns_g1": ["mask.codec=rotq", "mask.bits=4", "mask.rotq_weight=norm_std", "mask.grad_bits=1"],
     "m75_mean": ["mask.ratio=0.75", "mask.fill=mean"],
+    # where dense_dp's loss comes from (same tokens; each variant moves one thing from dense towards dense_dp):
+    # half as many optimizer steps of twice the batch (what any X = 2 data parallelism does to a fixed budget),
+    # the replicas' weights averaged exactly after every step, exactly every H = 10 steps through the DiLoCo
+    # outer optimizer, and finally dense_dp itself (the same with PowerSGD rank 16 and 8-bit factors)
+    "dense_b8": ["train.batch_size=8"],
+    "dense_dp_avg1": [*DP, "dp.inner_steps=1", "dp.fragments=1", "dp.outer_lr=1.0", "dp.outer_momentum=0.0",
+                      "dp.rank=100000", "dp.quantize=false"],
+    "dense_dp_exact": [*DP, "dp.rank=100000", "dp.quantize=false"],
+    # and the outer optimizer alone: plain averaging every H steps (outer lr 1, no momentum), exact or compressed
+    "dense_dp_exact_avg": [*DP, "dp.rank=100000", "dp.quantize=false", "dp.outer_lr=1.0", "dp.outer_momentum=0.0"],
+    "dense_dp_avg": [*DP, "dp.outer_lr=1.0", "dp.outer_momentum=0.0"],
+    # rotq's channel weights from the next stage's *trained* input-norm gains (an oracle only the in-process mesh
+    # can run: after every step each sender's copy is refreshed from its receiver; the swarm keeps the loaded copy)
+    "rotq2_ns_live": ["mask.codec=rotq", "mask.bits=2", "mask.rotq_weight=norm_std", LIVE_GAINS],
+    "rotq4_ns_g1_live": ["mask.codec=rotq", "mask.bits=4", "mask.rotq_weight=norm_std", "mask.grad_bits=1",
+                         LIVE_GAINS],
+    # the codec that holds dense quality, with the table's compressed DP: the whole system's bytes
+    "rotq4_ns_g1_dp": ["mask.codec=rotq", "mask.bits=4", "mask.rotq_weight=norm_std", "mask.grad_bits=1", *DP],
 }
 TABLE = ["dense", "dense_dp", "m90", "m90_ap", "m95", "m95_ap", "m95_ap_dp", "topk", "int8"]
 
 logger = logging.getLogger("quality_table")
 
 
+def steps_for(cfg_path: Path, overrides: list[str], steps: int, sets: list[str]) -> tuple[int, int]:
+    """(optimizer steps, DP replicas) of a variant given ``steps`` of the base config's batch: every variant gets
+    the same tokens, so one that takes more sequences per step (DP replicas, a larger batch) runs fewer steps."""
+    base, own = load_config(cfg_path, sets), load_config(cfg_path, [*sets, *overrides])
+    replicas = own.dp.replicas if own.dp.enabled else 1
+    per_step = replicas * own.train.batch_size * own.train.microbatches
+    per_step_base = base.train.batch_size * base.train.microbatches
+    if per_step % per_step_base:
+        raise SystemExit(f"{overrides}: {per_step} sequences per step is not a multiple of the base {per_step_base}")
+    return steps // (per_step // per_step_base), replicas
+
+
+@torch.no_grad()
+def refresh_next_gains(trainer: MeshTrainer) -> None:
+    """Copy each receiving stage's live first input-norm gains into its sender's ``next_input_gain`` (an oracle:
+    in the swarm a sender keeps the gains it loaded)."""
+    for row in trainer.workers:
+        for sender, receiver in zip(row[:-1], row[1:]):
+            sender.module.next_input_gain.copy_(receiver.module.layers[0].input_layernorm.weight)
+
+
 def run_one(task: str, name: str, overrides: list[str], steps: int, args, eval_sets) -> dict:
     cfg_path = ROOT / "configs" / TASKS[task]
-    replicas = 2 if "dp.replicas=2" in overrides else 1
-    run_steps = steps // replicas
+    live_gains = LIVE_GAINS in overrides
+    overrides = [o for o in overrides if o != LIVE_GAINS]
+    run_steps, replicas = steps_for(cfg_path, overrides, steps, args.set)
     cfg = load_config(cfg_path, [
         *args.set, *overrides, f"train.steps={run_steps}", f"train.eval_every={max(1, run_steps // 4)}",
         f"train.eval_batches={args.eval_batches}",
     ])
     trainer = MeshTrainer(cfg, Path(args.cache_dir))
+    loaded_gains = [[w.module.next_input_gain.clone() for w in row[:-1]] for row in trainer.workers
+                    ] if live_gains else []
     records: list[dict] = []
     t0 = time.perf_counter()
 
     def on_record(rec: dict) -> None:
         records.append(rec)
+        if live_gains and "loss" in rec:
+            refresh_next_gains(trainer)
         if "loss" in rec and (rec["step"] + 1) % 10 == 0:
             logger.info("%s/%s step %d loss %.4f", task, name, rec["step"] + 1, rec["loss"])
 
@@ -121,8 +168,13 @@ def run_one(task: str, name: str, overrides: list[str], steps: int, args, eval_s
     wall = time.perf_counter() - t0
     held = {corpus: trainer.heldout_loss(batches=batches) for corpus, batches in eval_sets.items()}
     final = records[-1]
+    extra = {}
+    if live_gains:  # how far the loaded copy would have been from the trained gains (largest relative difference)
+        extra["gain_drift_max_rel"] = round(max(
+            float(((row[i].module.next_input_gain - loaded_gains[r][i]).abs() / loaded_gains[r][i].abs()).max())
+            for r, row in enumerate(trainer.workers) for i in range(len(row) - 1)), 4)
     return {
-        "overrides": overrides, "steps": run_steps, "replicas": replicas, "tokens": result.tokens,
+        **extra, "overrides": overrides, "steps": run_steps, "replicas": replicas, "tokens": result.tokens,
         "heldout_loss": held, "bytes_per_token": final["bytes_per_token"], "wall_s": round(wall, 1),
         "tokens_per_s": final["tokens_per_s"],
         "loss_curve": [round(r["loss"], 4) for r in records if "loss" in r],
@@ -174,10 +226,11 @@ def render(path: Path) -> None:
             k = 5
             smooth = [sum(curve[max(0, i - k + 1): i + 1]) / len(curve[max(0, i - k + 1): i + 1])
                       for i in range(len(curve))]
-            xs = [(i + 1) * r["replicas"] for i in range(len(curve))]  # x = token budget (dense steps)
+            scale = data["steps"] / r["steps"] if r.get("steps") else r["replicas"]  # tokens per step vs base
+            xs = [(i + 1) * scale for i in range(len(curve))]  # x = token budget (dense steps)
             ax.plot(xs, smooth, label=name, lw=1.2)
         ax.set_title(f"{task}: training loss (5-step mean; masked variants see masked inputs)")
-        ax.set_xlabel("step (x replicas)")
+        ax.set_xlabel("token budget (base-batch steps)")
         ax.set_ylabel("train loss")
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()

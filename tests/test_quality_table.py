@@ -1,0 +1,41 @@
+"""The quality table script's bookkeeping: the same tokens for every variant, and the live-gains oracle."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import quality_table as qt  # noqa: E402
+from meshnode.mesh import MeshTrainer  # noqa: E402
+
+CFG = qt.ROOT / "configs" / qt.TASKS["domain"]  # batch 4, one microbatch
+
+
+@pytest.mark.parametrize("variant,steps,replicas", [
+    ("dense", 60, 1), ("dense_dp", 30, 2), ("dense_b8", 30, 1), ("m95_ap_dp", 30, 2), ("rotq4_ns_g1", 60, 1),
+])
+def test_every_variant_gets_the_same_tokens(variant, steps, replicas):
+    assert qt.steps_for(CFG, qt.VARIANTS[variant], 60, []) == (steps, replicas)
+
+
+def test_a_batch_that_is_not_a_multiple_of_the_base_is_refused():
+    with pytest.raises(SystemExit, match="multiple"):
+        qt.steps_for(CFG, ["train.batch_size=6"], 60, [])
+    assert qt.steps_for(CFG, ["train.microbatches=4"], 60, []) == (15, 1)
+
+
+def test_live_gains_follow_the_receivers_trained_norm(tiny_cfg, cache_dir):
+    trainer = MeshTrainer(tiny_cfg("train.steps=2", "train.eval_every=0", "model.stages=3"), cache_dir)
+    senders, receivers = trainer.workers[0][:-1], trainer.workers[0][1:]
+    loaded = [s.module.next_input_gain.clone() for s in senders]
+    trainer.train_step()
+    live = [r.module.layers[0].input_layernorm.weight.detach().float() for r in receivers]
+    assert all(not torch.equal(a, b) for a, b in zip(loaded, live)), "the norms did not train"
+    assert all(torch.equal(s.module.next_input_gain, a) for s, a in zip(senders, loaded)), "the copy moved alone"
+    qt.refresh_next_gains(trainer)
+    assert all(torch.equal(s.module.next_input_gain, b) for s, b in zip(senders, live))
