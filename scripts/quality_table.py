@@ -41,8 +41,10 @@ AP = ["anchor.enabled=true", "anchor.period=20", "spectral.alpha=0.3", "spectral
 DP = ["dp.enabled=true", "dp.replicas=2", "dp.inner_steps=10", "dp.rank=16", "dp.quantize=true", "dp.fragments=2",
       "dp.outer_lr=0.7", "dp.outer_momentum=0.9"]
 
-# not a config key: the script refreshes every sender's copy of its receiver's gains after each step (mesh only)
+# not config keys: the script refreshes every sender's copy of its receiver's gains after each step (mesh only),
+# or, as a control of the same size, scales the loaded copy once by 1 +- JITTER (a fixed random sign per channel)
 LIVE_GAINS = "bench.live_gains=true"
+GAIN_JITTER = "bench.gain_jitter="
 
 VARIANTS: dict[str, list[str]] = {
     # the table the issue asks for
@@ -113,8 +115,12 @@ VARIANTS: dict[str, list[str]] = {
     "rotq2_ns_live": ["mask.codec=rotq", "mask.bits=2", "mask.rotq_weight=norm_std", LIVE_GAINS],
     "rotq4_ns_g1_live": ["mask.codec=rotq", "mask.bits=4", "mask.rotq_weight=norm_std", "mask.grad_bits=1",
                          LIVE_GAINS],
+    # the control: the loaded copy off by +-1.8 % per channel from the start (the live gains drifted that far)
+    "rotq2_ns_jitter": ["mask.codec=rotq", "mask.bits=2", "mask.rotq_weight=norm_std", GAIN_JITTER + "0.018"],
     # the codec that holds dense quality, with the table's compressed DP: the whole system's bytes
     "rotq4_ns_g1_dp": ["mask.codec=rotq", "mask.bits=4", "mask.rotq_weight=norm_std", "mask.grad_bits=1", *DP],
+    "rotq4_ns_g1_dpavg": ["mask.codec=rotq", "mask.bits=4", "mask.rotq_weight=norm_std", "mask.grad_bits=1", *DP,
+                          "dp.outer_lr=1.0", "dp.outer_momentum=0.0"],
 }
 TABLE = ["dense", "dense_dp", "m90", "m90_ap", "m95", "m95_ap", "m95_ap_dp", "topk", "int8"]
 
@@ -142,16 +148,30 @@ def refresh_next_gains(trainer: MeshTrainer) -> None:
             sender.module.next_input_gain.copy_(receiver.module.layers[0].input_layernorm.weight)
 
 
+@torch.no_grad()
+def jitter_gains(trainer: MeshTrainer, size: float, seed: int = 1) -> None:
+    """Scale every sender's copy of its receiver's gains by 1 +- ``size``: a fixed random sign per channel and
+    boundary, the same in every replica."""
+    for row in trainer.workers:
+        for i, sender in enumerate(row[:-1]):
+            gain = sender.module.next_input_gain
+            signs = torch.randint(0, 2, gain.shape, generator=torch.Generator().manual_seed(seed + i)) * 2 - 1
+            gain.mul_(1 + size * signs.to(gain.dtype))
+
+
 def run_one(task: str, name: str, overrides: list[str], steps: int, args, eval_sets) -> dict:
     cfg_path = ROOT / "configs" / TASKS[task]
     live_gains = LIVE_GAINS in overrides
-    overrides = [o for o in overrides if o != LIVE_GAINS]
+    jitter = [float(o.removeprefix(GAIN_JITTER)) for o in overrides if o.startswith(GAIN_JITTER)]
+    overrides = [o for o in overrides if o != LIVE_GAINS and not o.startswith(GAIN_JITTER)]
     run_steps, replicas = steps_for(cfg_path, overrides, steps, args.set)
     cfg = load_config(cfg_path, [
         *args.set, *overrides, f"train.steps={run_steps}", f"train.eval_every={max(1, run_steps // 4)}",
         f"train.eval_batches={args.eval_batches}",
     ])
     trainer = MeshTrainer(cfg, Path(args.cache_dir))
+    if jitter:
+        jitter_gains(trainer, jitter[0])
     loaded_gains = [[w.module.next_input_gain.clone() for w in row[:-1]] for row in trainer.workers
                     ] if live_gains else []
     records: list[dict] = []

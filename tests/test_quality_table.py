@@ -39,3 +39,16 @@ def test_live_gains_follow_the_receivers_trained_norm(tiny_cfg, cache_dir):
     assert all(torch.equal(s.module.next_input_gain, a) for s, a in zip(senders, loaded)), "the copy moved alone"
     qt.refresh_next_gains(trainer)
     assert all(torch.equal(s.module.next_input_gain, b) for s, b in zip(senders, live))
+
+
+def test_gain_jitter_moves_each_channel_by_its_size(tiny_cfg, cache_dir):
+    trainer = MeshTrainer(tiny_cfg("model.stages=3", "dp.replicas=2"), cache_dir)
+    loaded = [[w.module.next_input_gain.clone() for w in row[:-1]] for row in trainer.workers]
+    qt.jitter_gains(trainer, 0.02)
+    for row, before in zip(trainer.workers, loaded):
+        for w, g in zip(row[:-1], before):
+            ratio = w.module.next_input_gain / g
+            assert torch.allclose((ratio - 1).abs(), torch.full_like(ratio, 0.02), atol=1e-6)
+            assert (ratio > 1).any() and (ratio < 1).any()
+    first = [w.module.next_input_gain for w in trainer.workers[0][:-1]]
+    assert all(torch.equal(a, w.module.next_input_gain) for a, w in zip(first, trainer.workers[1][:-1]))
