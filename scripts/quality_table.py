@@ -46,6 +46,13 @@ DP = ["dp.enabled=true", "dp.replicas=2", "dp.inner_steps=10", "dp.rank=16", "dp
 LIVE_GAINS = "bench.live_gains=true"
 GAIN_JITTER = "bench.gain_jitter="
 
+# DP pieces for the decomposition: uncompressed pseudo-gradients (every matrix below the rank), and plain averaging
+EXACT_DP = ["dp.rank=100000", "dp.quantize=false"]
+PLAIN_AVG = ["dp.outer_lr=1.0", "dp.outer_momentum=0.0"]
+# the weighted rotated codec at 2 bits both ways, and at 4 bits forward / 1 bit back
+ROTQ2_NS = ["mask.codec=rotq", "mask.bits=2", "mask.rotq_weight=norm_std"]
+ROTQ4_NS_G1 = ["mask.codec=rotq", "mask.bits=4", "mask.rotq_weight=norm_std", "mask.grad_bits=1"]
+
 VARIANTS: dict[str, list[str]] = {
     # the table the issue asks for
     "dense": [],
@@ -104,23 +111,20 @@ VARIANTS: dict[str, list[str]] = {
     # the replicas' weights averaged exactly after every step, exactly every H = 10 steps through the DiLoCo
     # outer optimizer, and finally dense_dp itself (the same with PowerSGD rank 16 and 8-bit factors)
     "dense_b8": ["train.batch_size=8"],
-    "dense_dp_avg1": [*DP, "dp.inner_steps=1", "dp.fragments=1", "dp.outer_lr=1.0", "dp.outer_momentum=0.0",
-                      "dp.rank=100000", "dp.quantize=false"],
-    "dense_dp_exact": [*DP, "dp.rank=100000", "dp.quantize=false"],
+    "dense_dp_avg1": [*DP, "dp.inner_steps=1", "dp.fragments=1", *PLAIN_AVG, *EXACT_DP],
+    "dense_dp_exact": [*DP, *EXACT_DP],
     # and the outer optimizer alone: plain averaging every H steps (outer lr 1, no momentum), exact or compressed
-    "dense_dp_exact_avg": [*DP, "dp.rank=100000", "dp.quantize=false", "dp.outer_lr=1.0", "dp.outer_momentum=0.0"],
-    "dense_dp_avg": [*DP, "dp.outer_lr=1.0", "dp.outer_momentum=0.0"],
+    "dense_dp_exact_avg": [*DP, *EXACT_DP, *PLAIN_AVG],
+    "dense_dp_avg": [*DP, *PLAIN_AVG],
     # rotq's channel weights from the next stage's *trained* input-norm gains (an oracle only the in-process mesh
     # can run: after every step each sender's copy is refreshed from its receiver; the swarm keeps the loaded copy)
-    "rotq2_ns_live": ["mask.codec=rotq", "mask.bits=2", "mask.rotq_weight=norm_std", LIVE_GAINS],
-    "rotq4_ns_g1_live": ["mask.codec=rotq", "mask.bits=4", "mask.rotq_weight=norm_std", "mask.grad_bits=1",
-                         LIVE_GAINS],
+    "rotq2_ns_live": [*ROTQ2_NS, LIVE_GAINS],
+    "rotq4_ns_g1_live": [*ROTQ4_NS_G1, LIVE_GAINS],
     # the control: the loaded copy off by +-1.8 % per channel from the start (the live gains drifted that far)
-    "rotq2_ns_jitter": ["mask.codec=rotq", "mask.bits=2", "mask.rotq_weight=norm_std", GAIN_JITTER + "0.018"],
+    "rotq2_ns_jitter": [*ROTQ2_NS, GAIN_JITTER + "0.018"],
     # the codec that holds dense quality, with the table's compressed DP: the whole system's bytes
-    "rotq4_ns_g1_dp": ["mask.codec=rotq", "mask.bits=4", "mask.rotq_weight=norm_std", "mask.grad_bits=1", *DP],
-    "rotq4_ns_g1_dpavg": ["mask.codec=rotq", "mask.bits=4", "mask.rotq_weight=norm_std", "mask.grad_bits=1", *DP,
-                          "dp.outer_lr=1.0", "dp.outer_momentum=0.0"],
+    "rotq4_ns_g1_dp": [*ROTQ4_NS_G1, *DP],
+    "rotq4_ns_g1_dpavg": [*ROTQ4_NS_G1, *DP, *PLAIN_AVG],
 }
 TABLE = ["dense", "dense_dp", "m90", "m90_ap", "m95", "m95_ap", "m95_ap_dp", "topk", "int8"]
 
