@@ -83,20 +83,24 @@ eval_batches = 8
 """
 
 
-DEMO_METHODS = ("dense", "m95", "rotq4", "rotq2")
+DEMO_METHODS = ("dense", "m95", "rotq4", "rotq4g1", "rotq2")
 
 
 def method_overrides(method: str, *, tiny: bool, dp_peers: int, anchor: bool, anchor_key: str) -> list[str]:
     """Config overrides of a demo method: ``dense`` boundaries, ``m95`` (the paper: M95 + anchor prior), or
     ``rotq4`` / ``rotq2`` (every channel at 4 / 2 bits after a rotation, weighted by the receiving layer's norm
-    gains and the channels' spread: ``mask.rotq_weight = norm_std``); with DP when ``dp_peers > 1`` (then the
+    gains and the channels' spread: ``mask.rotq_weight = norm_std``), ``rotq4g1`` (the same 4-bit activations,
+    the gradient back at 1 bit: ``mask.grad_bits = 1``); with DP when ``dp_peers > 1`` (then the
     anchor takes its weights from the DP log: ``anchor.snapshot = dp``)."""
     if method not in DEMO_METHODS:
         raise ValueError(f"unknown demo method {method!r} (one of {', '.join(DEMO_METHODS)})")
     if method == "dense":
         out = ["mask.ratio=0.0"]
     elif method.startswith("rotq"):
-        out = ["mask.codec=rotq", f"mask.bits={method[4:]}", "mask.rotq_weight=norm_std"]
+        bits, _, grad_bits = method[4:].partition("g")
+        out = ["mask.codec=rotq", f"mask.bits={bits}", "mask.rotq_weight=norm_std"]
+        if grad_bits:
+            out.append(f"mask.grad_bits={grad_bits}")
     else:
         out = ["mask.ratio=0.95"]
         if anchor:
