@@ -172,8 +172,13 @@ def test_anchor_follows_dp_instead_of_fetching_weights(swarm_factory, tmp_path, 
     assert st["bytes_per_token"]["anchor"] > 0
 
 
-def test_equivalence_with_in_process_mesh(swarm_factory, tmp_path, cache_dir):
-    """One peer per stage, masked boundaries: the swarm's losses are the mesh's.
+@pytest.mark.parametrize("codec", [
+    ["mask.ratio=0.9"],
+    # rotq weighted by the receiver's norm gains (the sender's copy of them) with 1-bit gradients
+    ["mask.codec=rotq", "mask.bits=4", "mask.rotq_weight=norm_std", "mask.grad_bits=1"],
+], ids=["m90", "rotq4g1"])
+def test_equivalence_with_in_process_mesh(swarm_factory, tmp_path, cache_dir, codec):
+    """One peer per stage, compressed boundaries: the swarm's losses are the mesh's.
 
     Tolerance 1e-5 (absolute): both run the same StageWorker code, same seeds, same masks and the same
     data positions, with one torch thread per stage (the test sets the mesh to one thread too), so the
@@ -181,7 +186,7 @@ def test_equivalence_with_in_process_mesh(swarm_factory, tmp_path, cache_dir):
     float summation order if a kernel chose another path, which stays far below 1e-5 over 8 steps.
     """
     steps = 8
-    over = THREE + ["mask.ratio=0.9", f"train.steps={steps}", "train.microbatches=2"]
+    over = THREE + [*codec, f"train.steps={steps}", "train.microbatches=2"]
     sw = swarm_factory(over)
     sw.start("stage2", "--stage", "2")
     traces = {s: tmp_path / f"trace{s}.jsonl" for s in (0, 1)}
@@ -200,6 +205,8 @@ def test_equivalence_with_in_process_mesh(swarm_factory, tmp_path, cache_dir):
     for c in calls:
         r = serve[(c["step"], c["mb"])]
         assert c["t_call"] <= r["t_in"] <= r["t_out"] <= c["t_back"] and c["bytes"] > 0 < r["bytes"]
+        # the gradient goes back at the activation's K positions (m90), or at 1 bit against 4 (rotq4g1)
+        assert r["bytes"] == c["bytes"] if codec[0] == "mask.ratio=0.9" else r["bytes"] < 0.4 * c["bytes"]
 
     from meshnode.mesh import MeshTrainer
 
