@@ -71,16 +71,16 @@ def test_demo_methods_make_valid_configs_and_unknown_ones_fail(cache_dir):
     from meshnode.config import load_config
     from meshnode.node.demo import DEMO_METHODS, method_overrides
 
-    assert "rotq4g1" in DEMO_METHODS
+    rotq_bits = {"rotq4": (4, 0), "rotq4g1": (4, 1), "rotq2": (2, 0)}  # (activation bits, gradient bits; 0 = same)
+    assert set(rotq_bits) <= set(DEMO_METHODS)
     for method in DEMO_METHODS:
         over = method_overrides(method, tiny=True, dp_peers=2, anchor=True, anchor_key="k")
         cfg = load_config(TINY, over)
         assert cfg.dp.enabled and cfg.anchor.enabled == (method == "m95")
         assert cfg.anchor.snapshot == ("dp" if method == "m95" else "full")
         if method.startswith("rotq"):
-            bits, _, grad_bits = method[4:].partition("g")
-            assert cfg.mask.codec == "rotq" and cfg.mask.bits == int(bits) and cfg.mask.rotq_weight == "norm_std"
-            assert cfg.mask.grad_bits == int(grad_bits or 0)
+            assert cfg.mask.codec == "rotq" and cfg.mask.rotq_weight == "norm_std"
+            assert (cfg.mask.bits, cfg.mask.grad_bits) == rotq_bits[method]
     with pytest.raises(ValueError, match="unknown demo method"):
         method_overrides("m99", tiny=True, dp_peers=1, anchor=False, anchor_key="")
     _fails_cleanly(["demo", "--tiny", "--method", "m99"], "not one of", cache_dir)

@@ -172,12 +172,13 @@ def test_anchor_follows_dp_instead_of_fetching_weights(swarm_factory, tmp_path, 
     assert st["bytes_per_token"]["anchor"] > 0
 
 
-@pytest.mark.parametrize("codec", [
-    ["mask.ratio=0.9"],
-    # rotq weighted by the receiver's norm gains (the sender's copy of them) with 1-bit gradients
-    ["mask.codec=rotq", "mask.bits=4", "mask.rotq_weight=norm_std", "mask.grad_bits=1"],
+@pytest.mark.parametrize("codec, grad_share", [
+    # the gradient goes back at the activation's K positions: the same bytes
+    (["mask.ratio=0.9"], (1.0, 1.0)),
+    # rotq weighted by the receiver's norm gains (the sender's copy of them), 1-bit gradients against 4-bit activations
+    (["mask.codec=rotq", "mask.bits=4", "mask.rotq_weight=norm_std", "mask.grad_bits=1"], (0.0, 0.4)),
 ], ids=["m90", "rotq4g1"])
-def test_equivalence_with_in_process_mesh(swarm_factory, tmp_path, cache_dir, codec):
+def test_equivalence_with_in_process_mesh(swarm_factory, tmp_path, cache_dir, codec, grad_share):
     """One peer per stage, compressed boundaries: the swarm's losses are the mesh's.
 
     Tolerance 1e-5 (absolute): both run the same StageWorker code, same seeds, same masks and the same
@@ -205,8 +206,7 @@ def test_equivalence_with_in_process_mesh(swarm_factory, tmp_path, cache_dir, co
     for c in calls:
         r = serve[(c["step"], c["mb"])]
         assert c["t_call"] <= r["t_in"] <= r["t_out"] <= c["t_back"] and c["bytes"] > 0 < r["bytes"]
-        # the gradient goes back at the activation's K positions (m90), or at 1 bit against 4 (rotq4g1)
-        assert r["bytes"] == c["bytes"] if codec[0] == "mask.ratio=0.9" else r["bytes"] < 0.4 * c["bytes"]
+        assert grad_share[0] <= r["bytes"] / c["bytes"] <= grad_share[1]
 
     from meshnode.mesh import MeshTrainer
 
