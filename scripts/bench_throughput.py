@@ -59,7 +59,7 @@ from meshnode import perf, perf_sim  # noqa: E402
 
 logger = logging.getLogger("bench_throughput")
 
-VARIANTS = ("dense", "m95", "m95_ap", "m95_ap_dp", "topk", "int8", "rotq2", "rotq4")
+VARIANTS = ("dense", "m95", "m95_ap", "m95_ap_dp", "topk", "int8", "rotq2", "rotq4", "rotq4g1")
 TCP_GOODPUT = 1448 / 1514  # payload share of an MTU frame that tbf counts (netem.md)
 LABEL_BYTES = 2  # token ids travel with every forward payload as uint16 (byte-level vocabulary)
 DHT_REPLICAS = 5  # hivemind DHTNode's num_replicas: a stored value goes to the 5 nodes nearest its key
@@ -166,6 +166,7 @@ def variant_overrides(variant: str, *, replicas: int, anchor_key: str, anchor_pe
         "m95_ap_dp": ["mask.ratio=0.95"], "topk": ["mask.codec=\"topk\"", "mask.topk_ratio=0.1"],
         "int8": ["mask.codec=\"int8\""], "rotq2": ["mask.codec=\"rotq\"", "mask.bits=2"],
         "rotq4": ["mask.codec=\"rotq\"", "mask.bits=4"],
+        "rotq4g1": ["mask.codec=\"rotq\"", "mask.bits=4", "mask.grad_bits=1"],
     }[variant]
     if variant in ("m95_ap", "m95_ap_dp"):
         out += ["anchor.enabled=true", f"anchor.period={anchor_period}", "anchor.max_staleness=30",
@@ -457,7 +458,8 @@ def codec_sizes(variant: str, bench: BenchModel) -> tuple[float, float]:
     from meshnode.config import MaskConfig
 
     kw = {"dense": {"ratio": 0.0}, "topk": {"codec": "topk", "topk_ratio": 0.1}, "int8": {"codec": "int8"},
-          "rotq2": {"codec": "rotq", "bits": 2}, "rotq4": {"codec": "rotq", "bits": 4}}
+          "rotq2": {"codec": "rotq", "bits": 2}, "rotq4": {"codec": "rotq", "bits": 4},
+          "rotq4g1": {"codec": "rotq", "bits": 4, "grad_bits": 1}}
     codec = make_codec(MaskConfig(**kw.get(variant, {"ratio": 0.95})))
     b, t, h = bench.batch, bench.seq_len, bench.hidden
     fwd = codec.forward_nbytes(b, t, h) + HEADER_BYTES + LABEL_BYTES * b * t
@@ -897,7 +899,7 @@ def plot(result: dict, png: Path) -> None:
     replicas = result["swarm"]["replicas_per_stage"]
     xs = np.logspace(1, 4, 25)  # 10 Mbit/s .. 10 Gbit/s
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"] + ["#444444", "#bbbb00"]
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"] + ["#444444", "#bbbb00", "#00aaaa"]
     colors = dict(zip((*VARIANTS, "rotq2_dp"), palette))
     for v, r in result["variants"].items():
         if "model_inputs" not in r:

@@ -42,7 +42,8 @@ def test_variant_overrides_are_valid_configs(variant):
     assert cfg.anchor.enabled == (variant in ("m95_ap", "m95_ap_dp"))
     assert cfg.dp.enabled == (variant == "m95_ap_dp")
     assert (cfg.mask.ratio == 0.95) == variant.startswith("m95")
-    assert cfg.mask.codec == {"topk": "topk", "int8": "int8", "rotq2": "rotq", "rotq4": "rotq"}.get(variant, "mask")
+    assert cfg.mask.codec == {"topk": "topk", "int8": "int8"}.get(variant, "rotq" if "rotq" in variant else "mask")
+    assert cfg.mask.grad_bits == (1 if variant == "rotq4g1" else 0)
     assert cfg.dp.overlap == (variant == "m95_ap_dp")
     assert cfg.anchor.snapshot == ("dp" if variant == "m95_ap_dp" else "full")  # follows DP where there is DP
     full = bt.variant_overrides(variant, replicas=2, anchor_key="ssh-rsa AAAA test", anchor_snapshot="full")
@@ -95,6 +96,10 @@ def test_codec_sizes_follow_the_codecs():
     assert fwd == bwd + 2 * tokens  # + uint16 labels
     mf, mb = bt.codec_sizes("m95", b)
     assert mb == tokens * round(0.05 * b.hidden) * 2 + 64
+    # rotq4g1: the same 4-bit forward as rotq4, the gradient back at 1 bit (+ per-token scales)
+    (qf, qb), (gf, gb) = bt.codec_sizes("rotq4", b), bt.codec_sizes("rotq4g1", b)
+    assert gf == qf and qf < fwd / 3
+    assert tokens * b.hidden / 8 + 64 <= gb < qb / 3
 
 
 def test_step_barrier_lowers_the_rate():
