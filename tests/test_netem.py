@@ -1,14 +1,14 @@
 """Smoke tests of scripts/netem.py: shaped namespaces move data at the set rate and leave nothing behind.
 
-Needs root, Linux and iproute2/iptables/ethtool (the delay case also gcc and libnetfilter-queue-dev);
-skipped with the reason otherwise. Each test removes its network in a fixture, also on failure.
+Needs root, Linux and the Debian packages ``netem.missing_tools`` checks (iproute2, iptables, ethtool,
+gcc, libnetfilter-queue-dev, iputils-ping); skipped with the reason otherwise. Each test removes its
+network in a fixture, also on failure.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,9 +28,9 @@ def _skip_reason() -> str | None:
         return "network namespaces need Linux"
     if os.geteuid() != 0:
         return "netem needs root (namespaces, tc, iptables)"
-    missing = [tool for tool in ("ip", "tc", "iptables", "ethtool") if shutil.which(tool) is None]
+    missing = netem.missing_tools()  # what EmulatedNetwork.create(install=False) refuses to run without
     if missing:
-        return f"missing tools: {', '.join(missing)} (apt-get install iproute2 iptables ethtool)"
+        return f"missing Debian packages: {' '.join(missing)} (apt-get install {' '.join(missing)})"
     probe = f"mn-probe{secrets.token_hex(2)}"
     if subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode != 0:
         return "cannot create network namespaces here"
@@ -108,9 +108,6 @@ def test_shaped_rate_and_clean_teardown(run_id, tmp_path):
     _assert_gone(run_id, state_path)
 
 
-@pytest.mark.skipif(netem.missing_tools() and "gcc" in " ".join(netem.missing_tools()) or
-                    not Path("/usr/include/libnetfilter_queue/libnetfilter_queue.h").exists(),
-                    reason="delay needs gcc and libnetfilter-queue-dev (apt-get install gcc libnetfilter-queue-dev)")
 def test_delay_rate_and_teardown_after_crash(run_id, tmp_path):
     """Delay adds 2x one-way to the RTT without throttling TCP; `down` cleans up from the state file alone."""
     state_path = tmp_path / "netem.json"
