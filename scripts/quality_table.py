@@ -37,9 +37,12 @@ EVAL_CONFIGS = {"linuxdoc": "smollm2-linuxdoc.toml", "sotu": "smollm2-sotu.toml"
 # The paper's anchor prior (AP): K = 20, alpha 0.3, tau 1e-3, beta 0.95; the SVD truncated to rank 32.
 AP = ["anchor.enabled=true", "anchor.period=20", "spectral.alpha=0.3", "spectral.tau=1e-3", "spectral.beta=0.95",
       "spectral.rank=32"]
-# Compressed DP: X = 2 replicas, streaming DiLoCo every H = 10 inner steps, PowerSGD rank 16 with 8-bit factors.
+# Compressed DP: X = 2 replicas, streaming sync every H = 10 inner steps, PowerSGD rank 16 with 8-bit factors,
+# the outer step a plain average (outer lr 1, no momentum: the config default since 2026-12-04, docs/quality.md).
 DP = ["dp.enabled=true", "dp.replicas=2", "dp.inner_steps=10", "dp.rank=16", "dp.quantize=true", "dp.fragments=2",
-      "dp.outer_lr=0.7", "dp.outer_momentum=0.9"]
+      "dp.outer_lr=1.0", "dp.outer_momentum=0.0"]
+# DiLoCo's outer Nesterov step (DESIGN.md; the table's DP rows until 2026-12-04, now the *_diloco rows)
+DILOCO = ["dp.outer_lr=0.7", "dp.outer_momentum=0.9"]
 
 # not config keys: the script refreshes every sender's copy of its receiver's gains after each step (mesh only),
 # or, as a control of the same size, scales the loaded copy once by 1 +- JITTER (a fixed random sign per channel)
@@ -62,6 +65,9 @@ VARIANTS: dict[str, list[str]] = {
     "m95": ["mask.ratio=0.95"],
     "m95_ap": ["mask.ratio=0.95", *AP],
     "m95_ap_dp": ["mask.ratio=0.95", *AP, *DP, "anchor.snapshot=dp"],
+    # the same two DP rows with DiLoCo's outer Nesterov step, as the table first ran them
+    "dense_dp_diloco": [*DP, *DILOCO],
+    "m95_ap_dp_diloco": ["mask.ratio=0.95", *AP, *DP, *DILOCO, "anchor.snapshot=dp"],
     "topk": ["mask.codec=topk", "mask.topk_ratio=0.1"],
     "int8": ["mask.codec=int8"],
     # investigation: what the paper's recipe needs, and what else closes the gap
@@ -86,14 +92,14 @@ VARIANTS: dict[str, list[str]] = {
     "m95_rms": ["mask.ratio=0.95", "mask.rescale=rms"],
     "m95_mean": ["mask.ratio=0.95", "mask.fill=mean"],
     "m95_mean_ap": ["mask.ratio=0.95", "mask.fill=mean", *AP],
-    "m95_mean_ap_dp": ["mask.ratio=0.95", "mask.fill=mean", *AP, *DP, "anchor.snapshot=dp"],
+    "m95_mean_ap_dp": ["mask.ratio=0.95", "mask.fill=mean", *AP, *DP, *DILOCO, "anchor.snapshot=dp"],
     "m90_mean": ["mask.ratio=0.9", "mask.fill=mean"],
     "m75": ["mask.ratio=0.75"],
     # rotated low-bit quantisation (mask.codec = rotq): every channel at 4 / 2 / 1 bits, centred
     "rotq4": ["mask.codec=rotq", "mask.bits=4"],
     "rotq2": ["mask.codec=rotq", "mask.bits=2"],
     "rotq1": ["mask.codec=rotq", "mask.bits=1"],
-    "rotq2_dp": ["mask.codec=rotq", "mask.bits=2", *DP],
+    "rotq2_dp": ["mask.codec=rotq", "mask.bits=2", *DP, *DILOCO],
     # the same, each channel weighted before the rotation (mask.rotq_weight): by the receiving layer's input norm
     # gains (norm), or by sqrt(gain / channel std) (norm_std)
     "rotq2_norm": ["mask.codec=rotq", "mask.bits=2", "mask.rotq_weight=norm"],
@@ -112,8 +118,9 @@ VARIANTS: dict[str, list[str]] = {
     # outer optimizer, and finally dense_dp itself (the same with PowerSGD rank 16 and 8-bit factors)
     "dense_b8": ["train.batch_size=8"],
     "dense_dp_avg1": [*DP, "dp.inner_steps=1", "dp.fragments=1", *PLAIN_AVG, *EXACT_DP],
-    "dense_dp_exact": [*DP, *EXACT_DP],
+    "dense_dp_exact": [*DP, *EXACT_DP, *DILOCO],
     # and the outer optimizer alone: plain averaging every H steps (outer lr 1, no momentum), exact or compressed
+    # (PLAIN_AVG is DP's own outer step now; these keys keep the names they were run under)
     "dense_dp_exact_avg": [*DP, *EXACT_DP, *PLAIN_AVG],
     "dense_dp_avg": [*DP, *PLAIN_AVG],
     # rotq's channel weights from the next stage's *trained* input-norm gains (an oracle only the in-process mesh
@@ -123,7 +130,7 @@ VARIANTS: dict[str, list[str]] = {
     # the control: the loaded copy off by +-1.8 % per channel from the start (the live gains drifted that far)
     "rotq2_ns_jitter": [*ROTQ2_NS, GAIN_JITTER + "0.018"],
     # the codec that holds dense quality, with the table's compressed DP: the whole system's bytes
-    "rotq4_ns_g1_dp": [*ROTQ4_NS_G1, *DP],
+    "rotq4_ns_g1_dp": [*ROTQ4_NS_G1, *DP, *DILOCO],
     "rotq4_ns_g1_dpavg": [*ROTQ4_NS_G1, *DP, *PLAIN_AVG],
 }
 TABLE = ["dense", "dense_dp", "m90", "m90_ap", "m95", "m95_ap", "m95_ap_dp", "topk", "int8"]
@@ -209,7 +216,9 @@ def run_one(task: str, name: str, overrides: list[str], steps: int, args, eval_s
 
 def render(path: Path) -> None:
     data = json.loads(path.read_text())
-    lines = [f"Command: `{data.get('command', '')}`", "",
+    commands = data.get("commands") or [data.get("command", "")]
+    head = "Commands, in order: " if len(commands) > 1 else "Command: "
+    lines = [head + ", ".join(f"`{c}`" for c in commands), "",
              f"{data.get('steps')} steps of batch {data.get('batch')} per variant (same tokens for all), "
              f"held-out loss evaluated unmasked on {data.get('eval_batches')} batches of each corpus.", ""]
     for task, runs in data["tasks"].items():
@@ -288,10 +297,15 @@ def main() -> None:
         raise SystemExit(f"unknown variants: {unknown}")
     out = Path(args.out)
     data = json.loads(out.read_text()) if args.resume and out.is_file() else {}
+    command = "python scripts/quality_table.py " + " ".join(
+        [f"--tasks {args.tasks}", f"--variants {args.variants}", f"--steps {args.steps}"]
+        + [f"--set {s}" for s in args.set] + [f"--extra {e}" for e in args.extra])
+    # a resumed file keeps every command that wrote rows into it, in order; "command" is the latest
+    commands = data.get("commands") or ([data["command"]] if data.get("command") else [])
+    if not commands or commands[-1] != command:
+        commands.append(command)
     data.update({
-        "command": "python scripts/quality_table.py " + " ".join(
-            [f"--tasks {args.tasks}", f"--variants {args.variants}", f"--steps {args.steps}"]
-            + [f"--set {s}" for s in args.set] + [f"--extra {e}" for e in args.extra]),
+        "command": command, "commands": commands,
         "steps": args.steps, "eval_batches": args.eval_batches, "batch": [4, 256],
         "machine": {"cpu_threads": torch.get_num_threads(), "arch": platform.machine(), "torch": torch.__version__},
     })

@@ -23,6 +23,18 @@ def test_every_variant_gets_the_same_tokens(variant, steps, replicas):
     assert qt.steps_for(CFG, qt.VARIANTS[variant], 60, []) == (steps, replicas)
 
 
+@pytest.mark.parametrize("row", ["dense_dp", "m95_ap_dp"])
+def test_dp_rows_take_the_default_outer_step_and_diloco_rows_differ_only_there(row):
+    from meshnode.config import DPConfig, load_config
+
+    table, diloco = load_config(CFG, qt.VARIANTS[row]), load_config(CFG, qt.VARIANTS[f"{row}_diloco"])
+    default = DPConfig()
+    assert (table.dp.outer_lr, table.dp.outer_momentum) == (default.outer_lr, default.outer_momentum)
+    assert (diloco.dp.outer_lr, diloco.dp.outer_momentum) == (0.7, 0.9)
+    diloco.dp.outer_lr, diloco.dp.outer_momentum = table.dp.outer_lr, table.dp.outer_momentum
+    assert diloco == table
+
+
 def test_a_batch_that_is_not_a_multiple_of_the_base_is_refused():
     with pytest.raises(SystemExit, match="multiple"):
         qt.steps_for(CFG, ["train.batch_size=6"], 60, [])
