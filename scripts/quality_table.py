@@ -254,14 +254,15 @@ def render(path: Path) -> None:
     tasks = list(data["tasks"])
     fig, axes = plt.subplots(1, len(tasks), figsize=(7 * len(tasks), 4.5), squeeze=False)
     for ax, task in zip(axes[0], tasks):
-        for name, r in data["tasks"][task].items():
+        for i_run, (name, r) in enumerate(data["tasks"][task].items()):
             curve = r["loss_curve"]
             k = 5
             smooth = [sum(curve[max(0, i - k + 1): i + 1]) / len(curve[max(0, i - k + 1): i + 1])
                       for i in range(len(curve))]
             scale = data["steps"] / r["steps"] if r.get("steps") else r["replicas"]  # tokens per step vs base
             xs = [(i + 1) * scale for i in range(len(curve))]  # x = token budget (dense steps)
-            ax.plot(xs, smooth, label=name, lw=1.2)
+            # the colour cycle has 10 entries: later runs are dashed so no two lines look alike
+            ax.plot(xs, smooth, label=name, lw=1.2, ls=("-", "--", ":")[min(i_run // 10, 2)])
         ax.set_title(f"{task}: training loss (5-step mean; masked variants see masked inputs)")
         ax.set_xlabel("token budget (base-batch steps)")
         ax.set_ylabel("train loss")
