@@ -7,7 +7,7 @@ import torch
 
 from meshnode.node.claim import choose_stage, should_rebalance, stage_loads
 from meshnode.node.priors import HEADER_NAME, PriorIncomplete, PriorReader, validate_prior
-from meshnode.node.status import bytes_per_token, status_json, summarize, swarm_health
+from meshnode.node.status import bytes_per_token, slowest_driver_step, status_json, summarize, swarm_health
 from meshnode.protocol import keys
 from meshnode.protocol.messages import tensor_to_bytes
 from meshnode.protocol.records import PeerRecord, cycle_digest, factors_digest, prior_value
@@ -55,6 +55,17 @@ def test_health_and_summary():
     js = status_json(snap, "run", 3)
     assert js["driver_step"] == 40 and len(js["stages"]) == 3
     assert "no driver" in " ".join(swarm_health([peer("b", 1), peer("c", 2)], 3))
+
+
+def test_slowest_driver_step_waits_for_every_expected_driver():
+    snap = [peer("a", 0, "driver", driver_step=40), peer("b", 1, step=40)]
+    assert slowest_driver_step(snap, 1) == 40
+    assert slowest_driver_step(snap, 2) == 0  # the second driver has not announced yet
+    snap.append(peer("c", 0, "driver", driver_step=23))
+    assert slowest_driver_step(snap, 2) == 23  # the run is as far as its slowest replica
+    snap[-1] = peer("c", 0, "driver", state="offline", driver_step=40)
+    assert slowest_driver_step(snap, 2) == 0  # an offline driver does not count
+    assert slowest_driver_step([], 1) == 0
 
 
 def _prior(shapes, step=5, rank=2, **bad):

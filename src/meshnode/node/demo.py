@@ -2,9 +2,9 @@
 
 The demo process hosts the bootstrap DHT peer itself, then starts every other peer as a separate
 ``meshnode join`` process: one (or ``--dp-peers``) fast peer per stage, stage 0 being the driver,
-plus one anchor peer that holds all stages. It shows live progress from the DHT, waits until the
-driver reached ``train.steps``, fetches every stage's weights from its peers (as ``meshnode export``
-does) to measure the held-out loss, prints the status table, and stops every process it started,
+plus one anchor peer that holds all stages. It shows live progress from the DHT, waits until every
+driver (one per DP replica) reached ``train.steps``, fetches every stage's weights from its peers (as
+``meshnode export`` does) to measure the held-out loss, prints the status table, and stops every process it started,
 by pid (also on Ctrl+C).
 
 Methods: ``dense`` (no compression, no anchor) and ``m95`` (mask p = 0.95 at every boundary, the
@@ -29,7 +29,7 @@ from ..config import load_config
 from ..protocol import keys
 from .inspect import heldout_loss_of
 from .procs import PeerProcess, start_peer
-from .status import bytes_per_token, driver_step, render_table, status_json
+from .status import bytes_per_token, render_table, slowest_driver_step, status_json
 from .swarm import SwarmClient, SwarmError, start_dht
 
 logger = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ async def _watch(dht, identity, cfg, procs, console: Console, opts: DemoOptions,
         last_print = -1
         while True:
             peers = await client.refresh(full=True)
-            step = driver_step(peers)
+            step = slowest_driver_step(peers, opts.dp_peers)  # every driver (one per DP replica) must finish
             loss = next((p.loss for p in peers if p.role == "driver" and p.loss is not None), None)
             info = f"loss {loss:.4f}" if loss is not None else ""
             progress.update(task, completed=step, info=info)

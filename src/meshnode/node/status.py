@@ -42,6 +42,13 @@ def driver_step(peers: Sequence[PeerRecord]) -> int:
     return max(steps, default=0)
 
 
+def slowest_driver_step(peers: Sequence[PeerRecord], drivers: int) -> int:
+    """The step of the least advanced of ``drivers`` expected drivers (0 until that many are live): with DP
+    replicas the drivers progress at their own pace, and a run is done only when every one of them is."""
+    steps = sorted(p.driver_step or 0 for p in _live(peers) if p.role == "driver")
+    return steps[0] if steps and len(steps) >= max(1, drivers) else 0
+
+
 def summarize(peers: Sequence[PeerRecord], num_stages: int | None = None) -> list[StageSummary]:
     n = num_stages if num_stages is not None else num_stages_of(peers)
     out = [StageSummary(stage=s) for s in range(n)]
