@@ -132,6 +132,8 @@ VARIANTS: dict[str, list[str]] = {
     # the codec that holds dense quality, with the table's compressed DP: the whole system's bytes
     "rotq4_ns_g1_dp": [*ROTQ4_NS_G1, *DP, *DILOCO],
     "rotq4_ns_g1_dpavg": [*ROTQ4_NS_G1, *DP, *PLAIN_AVG],
+    # the same with a quarter of DP's bytes: PowerSGD rank 4 instead of 16
+    "rotq4_ns_g1_dpavg_r4": [*ROTQ4_NS_G1, *DP, "dp.rank=4"],
 }
 TABLE = ["dense", "dense_dp", "m90", "m90_ap", "m95", "m95_ap", "m95_ap_dp", "topk", "int8"]
 
