@@ -309,19 +309,45 @@ def test_routing_does_not_starve_a_newcomer():
 
     from meshnode.node.swarm import order_candidates
 
-    old = peer("old", 1, throughput=500.0)
-    new = peer("new", 1, throughput=0.0)
-    busy = peer("busy", 1, throughput=900.0)
+    old = peer("old", 1, capacity=500.0)
+    new = peer("new", 1, capacity=0.0)
+    busy = peer("busy", 1, capacity=900.0)
     rng = random.Random(0)
     firsts = [order_candidates([old, new, busy], {"busy": 2}, rng)[0].peer_id for _ in range(400)]
-    assert "busy" not in firsts  # fewest calls in flight first, whatever the throughput
+    assert "busy" not in firsts  # fewest calls in flight first, whatever the capacity
     share = firsts.count("new") / len(firsts)
     assert 0.35 < share < 0.65  # weighs as much as the average of the others (here: 'old' alone)
-    fast = peer("fast", 1, throughput=300.0)
+    fast = peer("fast", 1, capacity=300.0)
     firsts = [order_candidates([old, fast], {}, rng)[0].peer_id for _ in range(800)]
     assert 0.55 < firsts.count("old") / len(firsts) < 0.70  # 500 : 300 -> 0.625
     order = order_candidates([old, new, busy], {"busy": 2}, rng)
     assert [p.peer_id for p in order][-1] == "busy" and len(order) == 3
+
+
+def test_routing_splits_equal_replicas_evenly_whatever_they_served():
+    """Two replicas of equal capacity: each announces the tokens it served (``throughput``), which routing used
+    to weigh by, so the one that happened to be chosen more was chosen more still. Weighed by capacity, the
+    split stays even however uneven the served rates are."""
+    import random
+
+    from meshnode.node.swarm import order_candidates
+
+    rng = random.Random(1)
+    a, b = peer("a", 1, capacity=100.0), peer("b", 1, capacity=100.0)
+    served = {"a": 30, "b": 1}  # a lopsided start
+    for _ in range(4000):
+        a.throughput, b.throughput = float(served["a"]), float(served["b"])
+        served[order_candidates([a, b], {}, rng)[0].peer_id] += 1
+    share = (served["a"] - 30) / 4000
+    assert 0.46 < share < 0.54  # binomial sd 0.008
+
+
+def test_peer_record_capacity_is_finite_and_non_negative():
+    good = peer("p", 1, capacity=12.5).to_value()
+    assert PeerRecord.from_value(good).capacity == 12.5
+    for bad in (float("nan"), float("inf"), -1.0, 1):  # 1: an int is not a strict float
+        assert PeerRecord.from_value({**good, "capacity": bad}) is None, bad
+    assert PeerRecord.from_value({**good, "capacity": None}).capacity == 0.0  # an older peer: unknown
 
 
 class _FakeDHT:

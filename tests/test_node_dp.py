@@ -299,26 +299,32 @@ def test_the_anchor_keeps_to_the_followed_log_for_a_grace_period():
     assert follow_order(peers, "c", 100.0, late) == ["c", "a", "b"]
 
 
-def test_a_retried_microbatch_the_host_completed_is_answered_once(tiny_cfg, cache_dir):
-    """A retry (new attempt) of a microbatch this host already completed, whose reply was lost on the way back,
-    gets the first result again: its gradient is accumulated and counted toward the step once (a CI run of
-    the mesh-equivalence test diverged at the step where a cut reply was retried)."""
-    import asyncio
-
+def _last_stage_host(tiny_cfg, cache_dir, *overrides):
+    """(cfg, host, module, an encoded input, labels) for the last stage of a tiny 2-stage model, no network."""
     from meshnode.compression import DenseCodec
     from meshnode.model import cut_model, load_model
     from meshnode.node.host import StageHost
     from meshnode.protocol.limits import Limits
     from meshnode.stage import StageWorker
 
-    cfg = tiny_cfg("model.stages=2", "train.microbatches=2", "mask.ratio=0")
+    cfg = tiny_cfg("model.stages=2", "mask.ratio=0", *overrides)
     model, _ = load_model(cfg.model, cache_dir)
     mod = cut_model(model, 2)[1]
     host = StageHost(StageWorker(mod, cfg), cfg, Limits.from_config(cfg, cfg.model.tiny_hidden, cfg.model.tiny_vocab),
                      "run")
     B, T = cfg.train.batch_size, cfg.data.seq_len
     x = DenseCodec("bfloat16").encode(torch.randn(B, T, cfg.model.tiny_hidden))
-    y = torch.randint(0, 200, (B, T))
+    return cfg, host, mod, x, torch.randint(0, 200, (B, T))
+
+
+def test_a_retried_microbatch_the_host_completed_is_answered_once(tiny_cfg, cache_dir):
+    """A retry (new attempt) of a microbatch this host already completed, whose reply was lost on the way back,
+    gets the first result again: its gradient is accumulated and counted toward the step once (a CI run of
+    the mesh-equivalence test diverged at the step where a cut reply was retried)."""
+    import asyncio
+
+    cfg, host, mod, x, y = _last_stage_host(tiny_cfg, cache_dir, "train.microbatches=2")
+    B, T = cfg.train.batch_size, cfg.data.seq_len
 
     async def go():
         first = await host.process(driver="d", step=0, mb=0, attempt=1, inputs=x, labels=y)
@@ -329,5 +335,35 @@ def test_a_retried_microbatch_the_host_completed_is_answered_once(tiny_cfg, cach
         assert host.tokens == B * T and not host.gate_closed()  # one of two microbatches counted
         other = await host.process(driver="e", step=0, mb=0, attempt=1, inputs=x, labels=y)  # another driver's
         assert other[1] == pytest.approx(first[1]) and host.tokens == 2 * B * T
+        # capacity: tokens per second of this host's own compute (the answered retry cost none), > the served rate
+        assert host.compute_s > 0 and host.capacity() == pytest.approx(host.tokens / host.compute_s)
+        assert host.capacity() >= host.throughput() > 0
 
     asyncio.run(go())
+
+
+def test_a_replica_takes_one_step_per_train_microbatches_however_many_arrive(tiny_cfg, cache_dir):
+    """Two drivers' microbatches reaching one replica at once: each step takes exactly ``train.microbatches``
+    of them (the others wait at the gate), so the replica takes as many steps as the drivers. Before, both
+    were admitted, folded into one step with their gradients summed, and the replica fell behind."""
+    import asyncio
+
+    cfg, host, mod, x, y = _last_stage_host(tiny_cfg, cache_dir, "train.microbatches=1")
+    B, T = cfg.train.batch_size, cfg.data.seq_len
+    seen_tokens: list[int] = []
+    step_fn = host.worker.step
+
+    def counting_step(step, lr):
+        seen_tokens.append(host.worker.step_stats.tokens)
+        return step_fn(step, lr)
+
+    host.worker.step = counting_step
+
+    async def go():
+        await asyncio.gather(*(host.process(driver=d, step=0, mb=0, attempt=1, inputs=x, labels=y) for d in "abc"))
+        assert await host.wait_idle(30.0)
+
+    asyncio.run(go())
+    assert host.opt_step == 3 and seen_tokens == [B * T] * 3  # one microbatch per step, three steps
+    assert host.tokens == 3 * B * T
+

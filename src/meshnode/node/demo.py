@@ -191,6 +191,10 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         after = heldout_loss_of(cfg, result.pop("weights"), opts.cache_dir)
         result["heldout_loss_after"] = after
         console.print(render_table(result.pop("status")))
+        if opts.dp_peers > 1:  # how the microbatches were split between the replicas of each stage
+            console.print("optimizer steps per replica: " + "; ".join(
+                f"stage {s}: " + ", ".join(str(r["step"]) for r in result["replicas"] if r["stage"] == s)
+                for s in range(cfg.model.stages)))
         console.print(f"held-out loss: before {before:.4f} -> after {after:.4f}")
         bpt = result["bytes_per_token"]
         console.print("bytes per trained token: " + ", ".join(f"{k} {v:.1f}" for k, v in bpt.items()))
@@ -254,7 +258,11 @@ async def _watch(dht, identity, cfg, procs, console: Console, opts: DemoOptions,
         "run": cfg.run_id, "method": opts.method, "steps": cfg.train.steps, "tokens": tokens,
         "tokens_per_s": tokens / wall if wall > 0 else 0.0, "bytes_per_token": bytes_per_token(peers),
         "peers": len([p for p in peers if p.state == "online"]), "weights": weights, "status": status,
-        "weights_from": meta, "losses": [m["loss"] for m in sorted(metrics, key=lambda m: m["step"])],
+        "weights_from": meta, "replicas": [
+            {"stage": p.stage, "role": p.role, "peer": p.peer_id, "step": p.step, "tokens": p.tokens,
+             "capacity": round(p.capacity, 1), "dp_syncs": p.dp_syncs}
+            for p in sorted(peers, key=lambda p: (p.stage, p.peer_id)) if p.state == "online" and p.role != "anchor"],
+        "losses": [m["loss"] for m in sorted(metrics, key=lambda m: m["step"])],
     }
 
 

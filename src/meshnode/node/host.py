@@ -12,9 +12,11 @@ in-flight table are never touched concurrently; the asyncio loop only moves byte
 
 Step clock: a replica steps its optimizer after ``train.microbatches`` completed backward passes,
 with the learning rate ``lr_at`` of its own step counter, and only when no microbatch is in flight
-on it (an in-place update under a live autograd graph would corrupt that graph). While a step is due,
-new forwards wait at a gate. With one driver and one peer per stage this is exactly the in-process
-mesh's schedule, so the losses agree.
+on it (an in-place update under a live autograd graph would corrupt that graph). It takes no more than
+``train.microbatches`` microbatches per step: the next ones wait at a gate until the step is taken (or,
+from a caller, are told "busy" after ``busy_timeout`` and go to another replica), so every step holds
+exactly that many microbatches and a stage's replicas take as many steps between them as the drivers.
+With one driver and one peer per stage this is exactly the in-process mesh's schedule, so the losses agree.
 
 Replay guard: every (driver, step, microbatch, attempt) is accepted once; a request more than
 ``limits.replay_window`` driver steps behind the newest one seen from that driver is refused as
@@ -96,7 +98,10 @@ class StageHost:
         self._seen: dict[str, tuple[int, set]] = {}
         self._step_task: asyncio.Task | None = None
         self.busy_timeout = 1.0  # a forward that finds this replica stepping longer than this is told "busy"
-        self._window: deque[tuple[float, int]] = deque()
+        # (time, tokens, compute seconds since the previous entry) of each completed microbatch: the served rate
+        # (throughput) and the rate while computing (capacity) over a recent horizon
+        self._window: deque[tuple[float, int, float]] = deque()
+        self._window_compute = 0.0  # compute_s at the last entry
         self.refused = 0
         self.compute_s = 0.0  # seconds of forward + backward torch work on this host's thread (busy fraction)
         # Optional per-microbatch timing records (``meshnode join --trace-out``): the caller's send and reply
@@ -117,14 +122,29 @@ class StageHost:
         finally:
             self.compute_s += time.perf_counter() - t0
 
-    def throughput(self, horizon: float = 30.0) -> float:
+    def _trim_window(self, horizon: float) -> float:
         now = time.monotonic()
         while self._window and self._window[0][0] < now - horizon:
             self._window.popleft()
+        return now
+
+    def throughput(self, horizon: float = 30.0) -> float:
+        """Tokens this replica served per second over the last ``horizon`` seconds: its share of the swarm's
+        load (what ``meshnode status`` sums per stage), not how much it could take."""
+        now = self._trim_window(horizon)
         if not self._window:
             return 0.0
         span = max(now - self._window[0][0], 1.0)
-        return sum(n for _, n in self._window) / span
+        return sum(e[1] for e in self._window) / span
+
+    def capacity(self, horizon: float = 30.0) -> float:
+        """Tokens per second of this replica's own forward + backward work over the last ``horizon`` seconds
+        (0 when unknown): how fast it serves a microbatch, whatever its share of the load. Routing weighs
+        peers by this; weighing them by :meth:`throughput` fed back on itself (a replica that happened to get
+        more microbatches announced more and was chosen more; 28 vs 52 steps in a tiny DP demo)."""
+        self._trim_window(horizon)
+        busy = sum(e[2] for e in self._window)
+        return sum(e[1] for e in self._window) / busy if busy > 0 else 0.0
 
     def _check_replay(self, driver: str, step: int, mb: int, attempt: int) -> None:
         newest, seen = self._seen.get(driver, (-1, set()))
@@ -144,9 +164,17 @@ class StageHost:
 
     # ---- the gate and the step clock -------------------------------------------------------
 
+    def _admits(self) -> bool:
+        """The gate is open: no step due or running, and fewer than ``train.microbatches`` microbatches taken
+        since the last step. Admitting more (two drivers' microbatches in flight at once on one replica) folded
+        them into one step with their gradients summed: in a tiny demo with two replicas per stage, a stage's
+        replicas took 63 steps between them where the drivers took 80, so their lr schedule and DP clock fell
+        behind and each such step took a double-size gradient."""
+        return not self._step_due and not self._stepping and self._done + self._active < self.cfg.train.microbatches
+
     async def _enter(self) -> None:
         async with self._cond:
-            await self._cond.wait_for(lambda: not self._step_due and not self._stepping)
+            await self._cond.wait_for(self._admits)
             self._active += 1
 
     async def _leave(self, completed: bool) -> None:
@@ -156,6 +184,7 @@ class StageHost:
                 self._done += 1
                 if self._done >= self.cfg.train.microbatches:
                     self._step_due = True
+            self._cond.notify_all()  # a microbatch that did not complete frees its place in the step
             if self._step_due and self._active == 0 and not self._stepping:
                 self._stepping = True
                 # after the reply: a DP round may wait for partners, and they may need our upstream's next step
@@ -174,12 +203,12 @@ class StageHost:
                 self._cond.notify_all()
 
     def gate_closed(self) -> bool:
-        return self._step_due or self._stepping
+        return not self._admits()
 
     async def wait_gate(self, timeout: float) -> bool:
         async def opened():
             async with self._cond:
-                await self._cond.wait_for(lambda: not self._step_due and not self._stepping)
+                await self._cond.wait_for(self._admits)
 
         try:
             await asyncio.wait_for(opened(), timeout)
@@ -220,6 +249,9 @@ class StageHost:
         labels: torch.Tensor,
     ) -> tuple[EncodedPayload | None, float]:
         """Forward this microbatch, send it on (or compute the loss), backward; returns (input grad, loss)."""
+        done = self._completed.get((driver, step, mb))
+        if done is not None:  # a retry of a microbatch completed here: answered without a place in the step
+            return done
         await self._enter()
         completed = False
         key = (step, mb)
@@ -265,7 +297,8 @@ class StageHost:
                 self._completed.popitem(last=False)
             ntok = int(labels.numel())
             self.tokens += ntok
-            self._window.append((time.monotonic(), ntok))
+            self._window.append((time.monotonic(), ntok, self.compute_s - self._window_compute))
+            self._window_compute = self.compute_s
             return grad_in, loss
         finally:
             if not lock.locked():
@@ -281,8 +314,11 @@ class StageHost:
         req = parse_forward(request, self.limits, run=self.run_id, stage=self.stage,
                             mask_version=self.cfg.mask.version)
         self._check_replay(req.driver, req.step, req.mb, req.attempt)
-        if self.gate_closed() and not await self.wait_gate(self.busy_timeout):
-            raise BusyError("busy: this replica is taking a step (DP sync); try another peer")
+        # a retry of a microbatch this replica holds or completed is never sent away (elsewhere it would be
+        # computed and counted again); it waits here for the first attempt's result
+        held = (req.driver, req.step, req.mb) in self._completed or (req.step, req.mb) in self._mb_locks
+        if not held and self.gate_closed() and not await self.wait_gate(self.busy_timeout):
+            raise BusyError("busy: this replica has its step's microbatches or is taking a step; try another peer")
         self.driver_step = max(self.driver_step, req.step)
         try:
             grad_in, loss = await self.process(

@@ -34,25 +34,27 @@ logger = logging.getLogger(__name__)
 def order_candidates(peers: list[PeerRecord], inflight: dict[str, int], rng: random.Random | None = None
                      ) -> list[PeerRecord]:
     """The order in which to try the peers of a stage: fewest calls in flight from here first; among those
-    tied, the first is drawn at random with weight proportional to its announced throughput, a peer that has
-    announced none (a newcomer) weighing as much as the average of the others. The rest follow by in-flight
-    count, then throughput.
+    tied, the first is drawn at random with weight proportional to its announced capacity (tokens per second
+    of its own compute), a peer that has announced none (a newcomer) weighing as much as the average of the
+    others. The rest follow by in-flight count, then capacity.
 
-    Always taking the highest throughput among the tied peers starved a newcomer: with one microbatch in
-    flight at a time it was never chosen, so it never reported a throughput.
+    Always taking the highest capacity among the tied peers starved a newcomer: with one microbatch in flight
+    at a time it was never chosen, so it never measured one. Weighing by the tokens a peer *served* per second
+    (its announced ``throughput``) fed back on itself: the replica that happened to get more microbatches
+    announced more and was chosen more.
     """
     rng = rng or random
     out = list(peers)
     rng.shuffle(out)
-    out.sort(key=lambda p: (inflight.get(p.peer_id, 0), -p.throughput))
+    out.sort(key=lambda p: (inflight.get(p.peer_id, 0), -p.capacity))
     if len(out) < 2:
         return out
     least = inflight.get(out[0].peer_id, 0)
     tied = [p for p in out if inflight.get(p.peer_id, 0) == least]
     if len(tied) > 1:
-        known = [p.throughput for p in tied if p.throughput > 0]
+        known = [p.capacity for p in tied if p.capacity > 0]
         floor = sum(known) / len(known) if known else 1.0
-        first = rng.choices(tied, weights=[p.throughput if p.throughput > 0 else floor for p in tied])[0]
+        first = rng.choices(tied, weights=[p.capacity if p.capacity > 0 else floor for p in tied])[0]
         out.remove(first)
         out.insert(0, first)
     return out

@@ -20,7 +20,7 @@ from typing import Any
 
 import pydantic.v1 as pydantic
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
-from pydantic.v1 import StrictBool, StrictBytes, StrictFloat, StrictInt, StrictStr, conint, constr
+from pydantic.v1 import StrictBool, StrictBytes, StrictFloat, StrictInt, StrictStr, confloat, conint, constr
 
 from .keys import owner_of
 
@@ -41,6 +41,7 @@ class PeerRecordSchema(pydantic.BaseModel):
     state: constr(strict=True, regex=r"^(joining|online|offline)$")
     layers: list[StrictInt] | None = None
     throughput: StrictFloat | None = None
+    capacity: confloat(strict=True, ge=0.0, le=1e12) | None = None  # routing weighs it: no NaN, inf or negatives
     step: conint(strict=True, ge=0) | None = None
     driver_step: conint(strict=True, ge=0) | None = None
     tokens: conint(strict=True, ge=0) | None = None
@@ -98,7 +99,8 @@ class PeerRecord:
     state: str
     num_stages: int = 0
     layers: list[int] = field(default_factory=list)
-    throughput: float = 0.0
+    throughput: float = 0.0  # tokens served per second (its share of the load)
+    capacity: float = 0.0  # tokens per second of its own compute (what routing weighs; 0 = not measured yet)
     step: int = 0
     driver_step: int | None = None
     tokens: int = 0
@@ -116,6 +118,7 @@ class PeerRecord:
         d.pop("owner")
         d.pop("expiration")
         d["throughput"] = float(d["throughput"])
+        d["capacity"] = float(d["capacity"])
         d["updated"] = float(d["updated"] or time.time())
         if d["loss"] is not None:
             d["loss"] = float(d["loss"])
