@@ -134,6 +134,14 @@ VARIANTS: dict[str, list[str]] = {
     "rotq4_ns_g1_dpavg": [*ROTQ4_NS_G1, *DP, *PLAIN_AVG],
     # the same with a quarter of DP's bytes: PowerSGD rank 4 instead of 16
     "rotq4_ns_g1_dpavg_r4": [*ROTQ4_NS_G1, *DP, "dp.rank=4"],
+    # DP's step size: two AdamW replicas on batch 4, averaged, step less far than one AdamW on batch 8 where the
+    # gradient is noise-dominated (each replica's second moment holds batch-4 noise). Amplify the averaged
+    # update (outer lr > 1, still no momentum) or scale the replicas' own lr by sqrt(X); dense at the higher lr
+    # is the control (a higher lr may help any run, not DP alone)
+    "dense_dp_olr1.4": [*DP, "dp.outer_lr=1.41"],
+    "dense_dp_olr2": [*DP, "dp.outer_lr=2.0"],
+    "dense_dp_lr1.4": [*DP, "train.lr=1.41e-4"],
+    "dense_lr1.4": ["train.lr=1.41e-4"],
 }
 TABLE = ["dense", "dense_dp", "m90", "m90_ap", "m95", "m95_ap", "m95_ap_dp", "topk", "int8"]
 
