@@ -324,22 +324,23 @@ def test_routing_does_not_starve_a_newcomer():
     assert [p.peer_id for p in order][-1] == "busy" and len(order) == 3
 
 
-def test_routing_splits_equal_replicas_evenly_whatever_they_served():
-    """Two replicas of equal capacity: each announces the tokens it served (``throughput``), which routing used
-    to weigh by, so the one that happened to be chosen more was chosen more still. Weighed by capacity, the
-    split stays even however uneven the served rates are."""
+def test_routing_follows_capacity_whatever_the_replicas_served():
+    """Each replica announces the tokens it served (``throughput``) and its capacity. Routing used to weigh by
+    the served rate, so the one that happened to be chosen more was chosen more still. Weighed by capacity,
+    equal replicas split evenly from a lopsided start, and a replica with 3x the capacity takes 3/4 of the
+    microbatches even when it has served the fewest."""
     import random
 
     from meshnode.node.swarm import order_candidates
 
     rng = random.Random(1)
-    a, b = peer("a", 1, capacity=100.0), peer("b", 1, capacity=100.0)
-    served = {"a": 30, "b": 1}  # a lopsided start
-    for _ in range(4000):
-        a.throughput, b.throughput = float(served["a"]), float(served["b"])
-        served[order_candidates([a, b], {}, rng)[0].peer_id] += 1
-    share = (served["a"] - 30) / 4000
-    assert 0.46 < share < 0.54  # binomial sd 0.008
+    for cap_a, cap_b, share_a in ((100.0, 100.0, 0.5), (100.0, 300.0, 0.25)):
+        a, b = peer("a", 1, capacity=cap_a), peer("b", 1, capacity=cap_b)
+        served = {"a": 30, "b": 1}  # a lopsided start, in a's favour
+        for _ in range(4000):
+            a.throughput, b.throughput = float(served["a"]), float(served["b"])
+            served[order_candidates([a, b], {}, rng)[0].peer_id] += 1
+        assert abs((served["a"] - 30) / 4000 - share_a) < 0.04, (cap_a, cap_b, served)  # binomial sd <= 0.008
 
 
 def test_peer_record_capacity_is_finite_and_non_negative():

@@ -193,7 +193,7 @@ class SwarmNode:
         return PeerRecord(
             peer_id=self.swarm.peer_id, role=self.role, stage=self.stage, num_stages=self.num_stages, state=state,
             layers=layers, throughput=float(host.throughput()) if host else 0.0,
-            capacity=float(host.capacity()) if host else 0.0, step=host.opt_step if host else 0,
+            capacity=min(float(host.capacity()), 1e12) if host else 0.0, step=host.opt_step if host else 0,
             driver_step=self.driver_step if self.role == "driver" else (host.driver_step if host else None),
             tokens=self.driver_tokens if self.role == "driver" else (host.tokens if host else 0),
             loss=_finite(self.last_loss if self.role == "driver" else (host.last_loss if host else None)),

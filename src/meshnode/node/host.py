@@ -89,7 +89,11 @@ class StageHost:
         self._done = 0
         self._step_due = False
         self._stepping = False
-        self._mb_locks: dict[tuple[int, int], asyncio.Lock] = {}
+        # (step, mb) -> [lock, users]: two drivers may use the same (step, mb); the worker holds one at a time
+        self._mb_locks: dict[tuple[int, int], list[Any]] = {}
+        # (driver, step, mb) -> the result of the attempt running now: a retry that arrives meanwhile (the caller's
+        # stream was cut) waits for it instead of taking a second place in the step
+        self._running: dict[tuple[str, int, int], asyncio.Future] = {}
         # (driver, step, mb) -> (input grad, loss) of the microbatches completed last: a retry of one of them (its
         # reply was lost on the way back, a cut stream) gets this result again; running it again would
         # accumulate its gradient twice and count it twice toward the step
@@ -97,7 +101,7 @@ class StageHost:
         self._completed_max = max(8, 4 * cfg.train.microbatches)
         self._seen: dict[str, tuple[int, set]] = {}
         self._step_task: asyncio.Task | None = None
-        self.busy_timeout = 1.0  # a forward that finds this replica stepping longer than this is told "busy"
+        self.busy_timeout = 1.0  # a forward that finds the gate closed longer than this is told "busy"
         # (time, tokens, compute seconds since the previous entry) of each completed microbatch: the served rate
         # (throughput) and the rate while computing (capacity) over a recent horizon
         self._window: deque[tuple[float, int, float]] = deque()
@@ -172,9 +176,21 @@ class StageHost:
         behind and each such step took a double-size gradient."""
         return not self._step_due and not self._stepping and self._done + self._active < self.cfg.train.microbatches
 
-    async def _enter(self) -> None:
+    async def _enter(self, timeout: float | None) -> None:
+        """Take a place in the current step, waiting at the gate; after ``timeout`` seconds (None: forever) the
+        caller is told "busy" (:class:`BusyError`) and goes to another replica. Waiting and taking the place
+        happen under one lock, so a gate that opens for one place lets exactly one waiter in."""
         async with self._cond:
-            await self._cond.wait_for(self._admits)
+            if not self._admits():
+                if timeout is None:
+                    await self._cond.wait_for(self._admits)
+                else:
+                    try:
+                        await asyncio.wait_for(self._cond.wait_for(self._admits), timeout)
+                    except asyncio.TimeoutError:
+                        self.refused += 1
+                        raise BusyError("busy: this replica has its step's microbatches or is taking a step; "
+                                        "try another peer") from None
             self._active += 1
 
     async def _leave(self, completed: bool) -> None:
@@ -204,17 +220,6 @@ class StageHost:
 
     def gate_closed(self) -> bool:
         return not self._admits()
-
-    async def wait_gate(self, timeout: float) -> bool:
-        async def opened():
-            async with self._cond:
-                await self._cond.wait_for(self._admits)
-
-        try:
-            await asyncio.wait_for(opened(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
 
     async def _step(self) -> None:
         t = self.cfg.train
@@ -246,21 +251,57 @@ class StageHost:
 
     async def process(
         self, *, driver: str, step: int, mb: int, attempt: int, inputs: torch.Tensor | EncodedPayload,
-        labels: torch.Tensor,
+        labels: torch.Tensor, admit_timeout: float | None = None,
     ) -> tuple[EncodedPayload | None, float]:
-        """Forward this microbatch, send it on (or compute the loss), backward; returns (input grad, loss)."""
-        done = self._completed.get((driver, step, mb))
-        if done is not None:  # a retry of a microbatch completed here: answered without a place in the step
-            return done
-        await self._enter()
-        completed = False
-        key = (step, mb)
-        lock = self._mb_locks.setdefault(key, asyncio.Lock())
+        """Forward this microbatch, send it on (or compute the loss), backward; returns (input grad, loss).
+
+        A retry (same driver, step and microbatch, another attempt) of one completed here gets the same result
+        again, and one of an attempt still running here waits for that attempt's result: either way without a
+        place in the step, so its gradient is accumulated and counted once. ``admit_timeout``: how long to wait
+        at a closed gate before :class:`BusyError` (None: as long as it takes; the driver's own stage 0)."""
+        key = (driver, step, mb)
+        while True:
+            done = self._completed.get(key)
+            if done is not None:
+                return done
+            running = self._running.get(key)
+            if running is None:
+                break
+            try:
+                return await asyncio.shield(running)
+            except asyncio.CancelledError:
+                if not running.cancelled():
+                    raise  # this call was cancelled, not the attempt it waited for
+            except Exception:  # the first attempt failed: this one runs afresh
+                pass
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # read by no one: not logged as lost
+        self._running[key] = fut
         try:
-            async with lock:  # two drivers may use the same (step, mb): one at a time on this worker
-                done = self._completed.get((driver, step, mb))
-                if done is not None:  # a retry of a microbatch this host completed: the same reply, counted once
-                    return done
+            result = await self._serve(driver, step, mb, inputs, labels, admit_timeout)
+        except asyncio.CancelledError:
+            fut.cancel()
+            raise
+        except BaseException as exc:
+            fut.set_exception(exc)
+            raise
+        else:
+            fut.set_result(result)
+            return result
+        finally:
+            self._running.pop(key, None)
+
+    async def _serve(
+        self, driver: str, step: int, mb: int, inputs: torch.Tensor | EncodedPayload, labels: torch.Tensor,
+        admit_timeout: float | None,
+    ) -> tuple[EncodedPayload | None, float]:
+        await self._enter(admit_timeout)
+        completed = False
+        lock_key = (step, mb)
+        entry = self._mb_locks.setdefault(lock_key, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:  # two drivers may use the same (step, mb): one at a time on this worker
                 mbid = MicrobatchId(step, mb)
                 out = await self.run(self._timed, self.worker.forward, mbid, inputs,
                                      labels if self.worker.is_last else None)
@@ -301,8 +342,9 @@ class StageHost:
             self._window_compute = self.compute_s
             return grad_in, loss
         finally:
-            if not lock.locked():
-                self._mb_locks.pop(key, None)
+            entry[1] -= 1
+            if entry[1] == 0:  # counted, not lock.locked(): a waiter just woken holds no lock yet
+                self._mb_locks.pop(lock_key, None)
             await self._leave(completed)
 
     # ---- the StageBackend surface ----------------------------------------------------------
@@ -314,16 +356,14 @@ class StageHost:
         req = parse_forward(request, self.limits, run=self.run_id, stage=self.stage,
                             mask_version=self.cfg.mask.version)
         self._check_replay(req.driver, req.step, req.mb, req.attempt)
-        # a retry of a microbatch this replica holds or completed is never sent away (elsewhere it would be
-        # computed and counted again); it waits here for the first attempt's result
-        held = (req.driver, req.step, req.mb) in self._completed or (req.step, req.mb) in self._mb_locks
-        if not held and self.gate_closed() and not await self.wait_gate(self.busy_timeout):
-            raise BusyError("busy: this replica has its step's microbatches or is taking a step; try another peer")
         self.driver_step = max(self.driver_step, req.step)
         try:
+            # a retry that reaches the replica that holds or completed its microbatch is answered there, never
+            # told "busy"; one that the caller sends to another replica is computed there and counted twice
+            # (the caller cannot tell a lost reply from a lost request)
             grad_in, loss = await self.process(
                 driver=req.driver, step=req.step, mb=req.mb, attempt=req.attempt, inputs=req.payload,
-                labels=req.labels,
+                labels=req.labels, admit_timeout=self.busy_timeout,
             )
         except StageError as exc:
             raise WireError(str(exc)) from None
