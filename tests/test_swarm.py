@@ -428,8 +428,11 @@ async def _attack(sw: Swarm, peer_id: str, good_key) -> None:
         await _wait_log(sw.procs[0].log, "header's digest")
         head = {**head, "anchor_step": 5, "source": peer_id}  # the target itself: no rpc_prior handler
         assert await client.store_signed(prior, HEADER_NAME, head, 120)
-        await _wait_log(sw.procs[0].log, "reading the factors from its anchor failed")
-        assert svc.served == 1
+        await _wait_log(sw.procs[0].log, "(step 5) ignored: reading the factors from its anchor failed")
+        # the refused cycle was read once; twice only if the first read failed on the way (a CI run: served 2)
+        # and was tried again at the next poll, as unreachable anchors are
+        retried = "(step 4) ignored: reading the factors from its anchor failed" in sw.procs[0].log.read_text()
+        assert svc.served == 1 + retried, (svc.served, tail(sw.procs[0].log))
         rogue_key = keys.load_or_create_identity(None)
         rogue_dht = await asyncio.to_thread(start_dht, run, cfg.model.stages, initial_peers=sw.bootstrap,
                                             host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity=rogue_key, client_mode=True)
