@@ -359,8 +359,8 @@ class StageHost:
         self.driver_step = max(self.driver_step, req.step)
         try:
             # a retry that reaches the replica that holds or completed its microbatch is answered there, never
-            # told "busy"; one that the caller sends to another replica is computed there and counted twice
-            # (the caller cannot tell a lost reply from a lost request)
+            # told "busy" (a caller asks the same peer again after a cut stream); one that goes to another
+            # replica is computed there and counted twice (the caller cannot tell a lost reply from a lost request)
             grad_in, loss = await self.process(
                 driver=req.driver, step=req.step, mb=req.mb, attempt=req.attempt, inputs=req.payload,
                 labels=req.labels, admit_timeout=self.busy_timeout,

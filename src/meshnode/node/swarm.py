@@ -213,25 +213,31 @@ class SwarmClient:
 
         At most ``limits.max_retries + 1`` attempts: untried peers first, then (when every peer of the stage
         was tried) one tried before whose pause has passed. A peer that could not be reached or timed out is
-        avoided for 15 s; one whose stream was cut mid-reply (``WireError``: a reset connection, not a dead
-        peer) for ``STREAM_CUT_PAUSE_S``, so that a dead replica plus one cut stream on the live one cost a
-        second, not ``stall_timeout`` spent waiting for a peer that was never tried (a 61 s stall in a CI run
-        of the churn test). Only when no peer of the stage is in the snapshot does it wait, up to
-        ``stall_timeout``."""
+        avoided for 15 s. One whose stream was cut mid-reply (``WireError``: a reset connection, not a dead
+        peer) is asked again at once, the first time in a call (it answers a retry of what it computed without
+        computing or counting it again); cut a second time, it is avoided for ``STREAM_CUT_PAUSE_S``, so that
+        a dead replica plus cut streams on the live one cost a second, not ``stall_timeout`` spent waiting
+        for a peer that was never tried (a 61 s stall in a CI run of the churn test). Only when no peer of
+        the stage is in the snapshot does it wait, up to ``stall_timeout``."""
         assert self.limits is not None and self.p2p is not None
         tried: set[str] = set()
+        recut: set[str] = set()  # peers whose stream was cut once in this call (and were asked again at once)
+        again: PeerRecord | None = None
         errors: list[str] = []
         attempts = 0
         deadline = time.monotonic() + stall_timeout
         while attempts < self.limits.max_retries + 1:
-            cands = self.candidates(stage, tried) or self.candidates(stage)
-            if not cands:
-                if time.monotonic() > deadline or is_stopping():
-                    break
-                await asyncio.sleep(0.5)  # wait for a peer of that stage to (re)appear or its pause to pass
-                await self.refresh(full=not self.candidates(stage, include_avoided=True))
-                continue
-            peer = cands[0]
+            if again is not None:
+                peer, again = again, None
+            else:
+                cands = self.candidates(stage, tried) or self.candidates(stage)
+                if not cands:
+                    if time.monotonic() > deadline or is_stopping():
+                        break
+                    await asyncio.sleep(0.5)  # wait for a peer of that stage to (re)appear or its pause to pass
+                    await self.refresh(full=not self.candidates(stage, include_avoided=True))
+                    continue
+                peer = cands[0]
             tried.add(peer.peer_id)
             attempts += 1
             self._inflight[peer.peer_id] = self._inflight.get(peer.peer_id, 0) + 1
@@ -253,6 +259,14 @@ class SwarmClient:
                 raise
             except Exception as exc:  # dead peer, reset stream, timeout
                 errors.append(f"{peer.peer_id[-8:]}: {type(exc).__name__} {exc}")
+                if isinstance(exc, WireError) and peer.peer_id not in recut:
+                    # the first cut stream of this call: ask the same peer again at once. It holds the request's
+                    # result (or is still computing it) and answers the retry from there; another replica would
+                    # compute it again and count its gradient twice (3 cuts in run 19's 4 minutes)
+                    recut.add(peer.peer_id)
+                    again = peer
+                    logger.warning("stage %d peer %s: stream cut (%s); asking it again", stage, peer.peer_id[-8:], exc)
+                    continue
                 logger.warning("stage %d peer %s failed (%s: %s); retrying on another peer", stage,
                                peer.peer_id[-8:], type(exc).__name__, exc)
                 self.avoid(peer.peer_id, STREAM_CUT_PAUSE_S if isinstance(exc, WireError) else 15.0)
