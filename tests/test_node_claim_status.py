@@ -491,6 +491,21 @@ def test_a_cut_stream_on_the_live_replica_costs_a_retry_not_a_stall(monkeypatch)
         client._avoid.clear()
         assert asyncio.run(call(10.0)) == {"ok": True}
         assert len(calls) == 2 and calls[0] == calls[1], calls
+    # ... unless another call found that peer dead meanwhile (it is avoided): then to the other replica at once
+    found_dead = [True]
+
+    async def cut_and_found_dead(p2p, peer_id, handler, request, **kw):
+        if found_dead[0]:
+            found_dead[0] = False
+            client.avoid(peer_id.to_base58(), 15.0)
+        return await fake_call(p2p, peer_id, handler, request, **kw)
+
+    monkeypatch.setattr(swarm_mod, "call_rpc", cut_and_found_dead)
+    cut[0], calls[:] = 1, []
+    client._avoid.clear()
+    assert asyncio.run(call(10.0)) == {"ok": True}
+    assert len(calls) == 2 and calls[0] != calls[1], calls
+    monkeypatch.setattr(swarm_mod, "call_rpc", fake_call)
     client.peers = [peer(live, 1, expiration=far), peer(dead, 1, expiration=far)]
     cut[0], calls[:] = 10, []  # the live replica keeps failing: four attempts, then a ChainError
     client._avoid.clear()

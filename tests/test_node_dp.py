@@ -413,3 +413,64 @@ def test_a_forward_waits_at_a_full_replica_then_is_told_busy_but_a_retry_is_answ
 
     asyncio.run(go())
     assert host.opt_step == 1 and host.tokens == y.numel()
+
+
+def test_a_cancelled_call_frees_its_place_and_its_graph(tiny_cfg, cache_dir):
+    """A call cancelled (the driver stopping) while it waits to leave the step, or while its forward runs on the
+    host's thread, gives back its place in the step and leaves no graph in flight: the replica still steps and
+    the same microbatch can run again. Before, the place leaked (the replica never stepped again) and the
+    graph stayed in flight."""
+    import asyncio
+    import threading
+    import time
+
+    from meshnode.stage import MicrobatchId
+
+    cfg, host, mod, x, y = _last_stage_host(tiny_cfg, cache_dir, "train.microbatches=1")
+    in_fn, release = threading.Event(), threading.Event()
+
+    def held(fn):
+        def wrapped(*args):
+            in_fn.set()
+            assert release.wait(30.0)
+            return fn(*args)
+        return wrapped
+
+    async def until(pred, what):
+        deadline = time.monotonic() + 30.0
+        while not pred():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.01)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        # 1. cancelled while waiting for the condition's lock to leave the step
+        backward_fn = host.worker.backward
+        host.worker.backward = held(backward_fn)
+        task = asyncio.create_task(host.process(driver="d", step=0, mb=0, attempt=1, inputs=x, labels=y))
+        assert await loop.run_in_executor(None, in_fn.wait, 30.0)
+        await host._cond.acquire()  # someone else holds the gate's lock (a weights snapshot, a woken waiter)
+        release.set()
+        await until(lambda: host.tokens > 0, "the microbatch to complete")
+        task.cancel()
+        host._cond.release()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await host.wait_idle(30.0) and host._active == 0 and host.opt_step == 1
+        host.worker.backward = backward_fn
+        # 2. cancelled while its forward runs on the host's thread
+        in_fn.clear()
+        release.clear()
+        host.worker.forward = held(host.worker.forward)
+        task = asyncio.create_task(host.process(driver="d", step=1, mb=0, attempt=1, inputs=x, labels=y))
+        assert await loop.run_in_executor(None, in_fn.wait, 30.0)
+        task.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await host.wait_idle(30.0) and host._active == 0
+        await until(lambda: MicrobatchId(1, 0) not in host.worker.in_flight, "the graph to be discarded")
+        await host.process(driver="d", step=1, mb=0, attempt=2, inputs=x, labels=y)  # runs again: not "in flight"
+        assert await host.wait_idle(30.0) and host.opt_step == 2
+
+    asyncio.run(go())

@@ -272,6 +272,8 @@ class StageHost:
             except asyncio.CancelledError:
                 if not running.cancelled():
                     raise  # this call was cancelled, not the attempt it waited for
+            except BusyError:
+                raise  # the first attempt found the gate closed for busy_timeout: so would this one
             except Exception:  # the first attempt failed: this one runs afresh
                 pass
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -303,9 +305,11 @@ class StageHost:
         try:
             async with entry[0]:  # two drivers may use the same (step, mb): one at a time on this worker
                 mbid = MicrobatchId(step, mb)
-                out = await self.run(self._timed, self.worker.forward, mbid, inputs,
-                                     labels if self.worker.is_last else None)
                 try:
+                    # inside the try: a call cancelled while the forward runs on the thread still leaves its graph
+                    # in flight there, which the discard (queued behind it on the same thread) frees
+                    out = await self.run(self._timed, self.worker.forward, mbid, inputs,
+                                         labels if self.worker.is_last else None)
                     if self.worker.is_last:
                         loss = float(out)
                         grad_out = None
@@ -345,7 +349,9 @@ class StageHost:
             entry[1] -= 1
             if entry[1] == 0:  # counted, not lock.locked(): a waiter just woken holds no lock yet
                 self._mb_locks.pop(lock_key, None)
-            await self._leave(completed)
+            # shielded: a call cancelled while _leave waits for the condition's lock would keep its place forever
+            # (the replica would never step again)
+            await asyncio.shield(self._leave(completed))
 
     # ---- the StageBackend surface ----------------------------------------------------------
 

@@ -214,11 +214,12 @@ class SwarmClient:
         At most ``limits.max_retries + 1`` attempts: untried peers first, then (when every peer of the stage
         was tried) one tried before whose pause has passed. A peer that could not be reached or timed out is
         avoided for 15 s. One whose stream was cut mid-reply (``WireError``: a reset connection, not a dead
-        peer) is asked again at once, the first time in a call (it answers a retry of what it computed without
-        computing or counting it again); cut a second time, it is avoided for ``STREAM_CUT_PAUSE_S``, so that
-        a dead replica plus cut streams on the live one cost a second, not ``stall_timeout`` spent waiting
-        for a peer that was never tried (a 61 s stall in a CI run of the churn test). Only when no peer of
-        the stage is in the snapshot does it wait, up to ``stall_timeout``."""
+        peer) is asked again at once, the first time in a call and unless another call found it dead (it
+        answers a retry of what it computed without computing or counting it again); cut a second time, it is
+        avoided for ``STREAM_CUT_PAUSE_S``, so that a dead replica plus cut streams on the live one cost a
+        second, not ``stall_timeout`` spent waiting for a peer that was never tried (a 61 s stall in a CI run
+        of the churn test). Only when no peer of the stage is in the snapshot does it wait, up to
+        ``stall_timeout``; a stage whose peers keep answering "busy" is waited on as long, then given up."""
         assert self.limits is not None and self.p2p is not None
         tried: set[str] = set()
         recut: set[str] = set()  # peers whose stream was cut once in this call (and were asked again at once)
@@ -249,6 +250,9 @@ class SwarmClient:
                 )
             except RPCError as exc:
                 if str(exc).startswith("BusyError"):
+                    if time.monotonic() > deadline or is_stopping():  # a full stage is not waited on forever
+                        errors.append(f"{peer.peer_id[-8:]}: busy past the {stall_timeout:.0f} s stall timeout")
+                        break
                     attempts -= 1  # not a failure: come back to it shortly
                     tried.discard(peer.peer_id)
                     self.avoid(peer.peer_id, 0.3)
@@ -259,7 +263,8 @@ class SwarmClient:
                 raise
             except Exception as exc:  # dead peer, reset stream, timeout
                 errors.append(f"{peer.peer_id[-8:]}: {type(exc).__name__} {exc}")
-                if isinstance(exc, WireError) and peer.peer_id not in recut:
+                if (isinstance(exc, WireError) and peer.peer_id not in recut
+                        and self._avoid.get(peer.peer_id, 0) < time.monotonic()):  # not found dead by another call
                     # the first cut stream of this call: ask the same peer again at once. It holds the request's
                     # result (or is still computing it) and answers the retry from there; another replica would
                     # compute it again and count its gradient twice (3 cuts in run 19's 4 minutes)
