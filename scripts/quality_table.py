@@ -142,6 +142,8 @@ VARIANTS: dict[str, list[str]] = {
     "dense_dp_olr2": [*DP, "dp.outer_lr=2.0"],
     "dense_dp_lr1.4": [*DP, "train.lr=1.41e-4"],
     "dense_lr1.4": ["train.lr=1.41e-4"],
+    # the fairer control for DP's averaging: one AdamW on batch 8 (what two replicas see together) at that lr
+    "dense_b8_lr1.4": ["train.batch_size=8", "train.lr=1.41e-4"],
 }
 TABLE = ["dense", "dense_dp", "m90", "m90_ap", "m95", "m95_ap", "m95_ap_dp", "topk", "int8"]
 
