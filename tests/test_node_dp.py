@@ -360,7 +360,8 @@ def test_a_replica_takes_one_step_per_train_microbatches_however_many_arrive(tin
     host.worker.step = counting_step
 
     async def go():
-        calls = [host.process(driver=d, step=0, mb=m, attempt=1, inputs=x, labels=y) for d in "abc" for m in (0, 1)]
+        # in the order a0 b0 c0 a1 b1 c1: the first step takes two drivers' microbatch 0, in flight together
+        calls = [host.process(driver=d, step=0, mb=m, attempt=1, inputs=x, labels=y) for m in (0, 1) for d in "abc"]
         calls.insert(3, host.process(driver="z", step=0, mb=0, attempt=1, inputs=bad, labels=y))
         results = await asyncio.gather(*calls, return_exceptions=True)
         assert [isinstance(r, Exception) for r in results] == [False] * 3 + [True] + [False] * 3
@@ -368,7 +369,7 @@ def test_a_replica_takes_one_step_per_train_microbatches_however_many_arrive(tin
 
     asyncio.run(go())
     assert host.opt_step == 3 and seen_tokens == [2 * B * T] * 3  # two microbatches per step, three steps
-    assert host.tokens == 6 * B * T and not host._mb_locks and not host._running
+    assert host.tokens == 6 * B * T and not host.worker.in_flight and not host._running
 
 
 def test_a_forward_waits_at_a_full_replica_then_is_told_busy_but_a_retry_is_answered(tiny_cfg, cache_dir):
@@ -422,12 +423,12 @@ def test_a_cancelled_call_frees_its_place_and_its_graph(tiny_cfg, cache_dir):
     graph stayed in flight."""
     import asyncio
     import threading
-    import time
 
     from meshnode.stage import MicrobatchId
 
     cfg, host, mod, x, y = _last_stage_host(tiny_cfg, cache_dir, "train.microbatches=1")
     in_fn, release = threading.Event(), threading.Event()
+    leave_fn = host._leave
 
     def held(fn):
         def wrapped(*args):
@@ -435,12 +436,6 @@ def test_a_cancelled_call_frees_its_place_and_its_graph(tiny_cfg, cache_dir):
             assert release.wait(30.0)
             return fn(*args)
         return wrapped
-
-    async def until(pred, what):
-        deadline = time.monotonic() + 30.0
-        while not pred():
-            assert time.monotonic() < deadline, what
-            await asyncio.sleep(0.01)
 
     async def go():
         loop = asyncio.get_running_loop()
@@ -450,14 +445,22 @@ def test_a_cancelled_call_frees_its_place_and_its_graph(tiny_cfg, cache_dir):
         task = asyncio.create_task(host.process(driver="d", step=0, mb=0, attempt=1, inputs=x, labels=y))
         assert await loop.run_in_executor(None, in_fn.wait, 30.0)
         await host._cond.acquire()  # someone else holds the gate's lock (a weights snapshot, a woken waiter)
+        leaving = asyncio.Event()
+
+        async def noted_leave(completed):
+            leaving.set()
+            await leave_fn(completed)  # waits for the lock the test holds
+
+        host._leave = noted_leave
         release.set()
-        await until(lambda: host.tokens > 0, "the microbatch to complete")
+        await asyncio.wait_for(leaving.wait(), 30.0)  # the microbatch completed and waits to leave
+        assert host.tokens > 0
         task.cancel()
         host._cond.release()
         with pytest.raises(asyncio.CancelledError):
             await task
         assert await host.wait_idle(30.0) and host._active == 0 and host.opt_step == 1
-        host.worker.backward = backward_fn
+        host.worker.backward, host._leave = backward_fn, leave_fn
         # 2. cancelled while its forward runs on the host's thread
         in_fn.clear()
         release.clear()
@@ -469,7 +472,7 @@ def test_a_cancelled_call_frees_its_place_and_its_graph(tiny_cfg, cache_dir):
         with pytest.raises(asyncio.CancelledError):
             await task
         assert await host.wait_idle(30.0) and host._active == 0
-        await until(lambda: MicrobatchId(1, 0) not in host.worker.in_flight, "the graph to be discarded")
+        assert MicrobatchId(1, 0, "d") not in host.worker.in_flight and not host.worker.in_flight  # discarded
         await host.process(driver="d", step=1, mb=0, attempt=2, inputs=x, labels=y)  # runs again: not "in flight"
         assert await host.wait_idle(30.0) and host.opt_step == 2
 

@@ -89,8 +89,6 @@ class StageHost:
         self._done = 0
         self._step_due = False
         self._stepping = False
-        # (step, mb) -> [lock, users]: two drivers may use the same (step, mb); the worker holds one at a time
-        self._mb_locks: dict[tuple[int, int], list[Any]] = {}
         # (driver, step, mb) -> the result of the attempt running now: a retry that arrives meanwhile (the caller's
         # stream was cut) waits for it instead of taking a second place in the step
         self._running: dict[tuple[str, int, int], asyncio.Future] = {}
@@ -299,43 +297,39 @@ class StageHost:
     ) -> tuple[EncodedPayload | None, float]:
         await self._enter(admit_timeout)
         completed = False
-        lock_key = (step, mb)
-        entry = self._mb_locks.setdefault(lock_key, [asyncio.Lock(), 0])
-        entry[1] += 1
+        mbid = MicrobatchId(step, mb, driver)  # two drivers' same (step, mb) are two microbatches in flight
         try:
-            async with entry[0]:  # two drivers may use the same (step, mb): one at a time on this worker
-                mbid = MicrobatchId(step, mb)
-                try:
-                    # inside the try: a call cancelled while the forward runs on the thread still leaves its graph
-                    # in flight there, which the discard (queued behind it on the same thread) frees
-                    out = await self.run(self._timed, self.worker.forward, mbid, inputs,
-                                         labels if self.worker.is_last else None)
-                    if self.worker.is_last:
-                        loss = float(out)
-                        grad_out = None
-                    else:
-                        if self.call_next is None:
-                            raise StageError("this host has no route to the next stage")
-                        vocab = self.limits.vocab
+            try:
+                # inside the try: a call cancelled while the forward runs on the thread still leaves its graph in
+                # flight there, which the discard (queued behind it on the same thread) frees
+                out = await self.run(self._timed, self.worker.forward, mbid, inputs,
+                                     labels if self.worker.is_last else None)
+                if self.worker.is_last:
+                    loss = float(out)
+                    grad_out = None
+                else:
+                    if self.call_next is None:
+                        raise StageError("this host has no route to the next stage")
+                    vocab = self.limits.vocab
 
-                        def build(attempt_next: int, out=out) -> dict[str, Any]:
-                            return forward_request(
-                                run=self.run_id, driver=driver, step=step, mb=mb, attempt=attempt_next,
-                                boundary=self.stage, mask_version=self.cfg.mask.version, payload=out, labels=labels,
-                                vocab=vocab,
-                            )
+                    def build(attempt_next: int, out=out) -> dict[str, Any]:
+                        return forward_request(
+                            run=self.run_id, driver=driver, step=step, mb=mb, attempt=attempt_next,
+                            boundary=self.stage, mask_version=self.cfg.mask.version, payload=out, labels=labels,
+                            vocab=vocab,
+                        )
 
-                        t_call = time.time()
-                        reply = await self.call_next(self.stage + 1, build)
-                        if self.trace is not None:
-                            self.trace({"kind": "call", "stage": self.stage, "driver": driver, "step": step, "mb": mb,
-                                        "t_call": t_call, "t_back": time.time(), "bytes": payload_bytes(out)})
-                        loss = float(reply["loss"])
-                        grad_out = payload_from_wire(reply.get("payload"), self.limits, "grad")
-                    grad_in = await self.run(self._timed, self.worker.backward, mbid, grad_out)
-                except BaseException:
-                    await self.run(self.worker.discard, mbid)
-                    raise
+                    t_call = time.time()
+                    reply = await self.call_next(self.stage + 1, build)
+                    if self.trace is not None:
+                        self.trace({"kind": "call", "stage": self.stage, "driver": driver, "step": step, "mb": mb,
+                                    "t_call": t_call, "t_back": time.time(), "bytes": payload_bytes(out)})
+                    loss = float(reply["loss"])
+                    grad_out = payload_from_wire(reply.get("payload"), self.limits, "grad")
+                grad_in = await self.run(self._timed, self.worker.backward, mbid, grad_out)
+            except BaseException:
+                await self.run(self.worker.discard, mbid)
+                raise
             completed = True
             self._completed[(driver, step, mb)] = (grad_in, loss)
             while len(self._completed) > self._completed_max:
@@ -346,9 +340,6 @@ class StageHost:
             self._window_compute = self.compute_s
             return grad_in, loss
         finally:
-            entry[1] -= 1
-            if entry[1] == 0:  # counted, not lock.locked(): a waiter just woken holds no lock yet
-                self._mb_locks.pop(lock_key, None)
             # shielded: a call cancelled while _leave waits for the condition's lock would keep its place forever
             # (the replica would never step again)
             await asyncio.shield(self._leave(completed))
@@ -383,7 +374,7 @@ class StageHost:
         refused unless this peer holds the microbatch's forward."""
         req = parse_backward(request, self.limits, run=self.run_id, stage=self.stage)
         self._check_replay(req.driver, req.step, req.mb, req.attempt)
-        mbid = MicrobatchId(req.step, req.mb)
+        mbid = MicrobatchId(req.step, req.mb, req.driver)
         if mbid not in self.worker.in_flight:
             raise WireError(f"no forward of microbatch (step {req.step}, mb {req.mb}) is held by this peer")
         raise WireError("microbatch is owned by a running chain; its gradient comes in the rpc_forward reply")

@@ -39,10 +39,15 @@ class StageError(RuntimeError):
 
 @dataclass(frozen=True, order=True)
 class MicrobatchId:
-    """Identifies one microbatch of one optimizer step of one replica chain."""
+    """Identifies one microbatch of one optimizer step of one replica chain.
+
+    ``chain`` names the driver the microbatch came from (the swarm; "" in the mesh): a replica serving two
+    drivers holds their microbatches with the same (step, index) apart. The mask and codec keys use only
+    (step, index), which both ends of a boundary share."""
 
     step: int
     index: int
+    chain: str = ""
 
 
 @dataclass
