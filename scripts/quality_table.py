@@ -179,7 +179,7 @@ def jitter_gains(trainer: MeshTrainer, size: float, seed: int = 1) -> None:
         for i, sender in enumerate(row[:-1]):
             gain = sender.module.next_input_gain
             signs = torch.randint(0, 2, gain.shape, generator=torch.Generator().manual_seed(seed + i)) * 2 - 1
-            gain.mul_(1 + size * signs.to(gain.dtype))
+            gain.mul_(1 + size * signs.to(gain))
 
 
 def run_one(task: str, name: str, overrides: list[str], steps: int, args, eval_sets) -> dict:
@@ -292,6 +292,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--set", action="append", default=[], help="override for every run")
+    ap.add_argument("--device", default="cpu", help="train.device of every run: cpu | cuda | cuda:N")
     ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "meshnode"))
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--render", metavar="JSON", help="only render the Markdown table and plot of a JSON file")
@@ -300,6 +301,8 @@ def main() -> None:
     if args.render:
         render(Path(args.render))
         return
+    if args.device != "cpu":
+        args.set.append(f"train.device={args.device}")
     variants = dict(VARIANTS)
     for extra in args.extra:
         name, _, spec = extra.partition("=")
@@ -320,14 +323,15 @@ def main() -> None:
     data.update({
         "command": command, "commands": commands,
         "steps": args.steps, "eval_batches": args.eval_batches, "batch": [4, 256],
-        "machine": {"cpu_threads": torch.get_num_threads(), "arch": platform.machine(), "torch": torch.__version__},
+        "machine": {"cpu_threads": torch.get_num_threads(), "arch": platform.machine(), "torch": torch.__version__,
+                    "device": torch.cuda.get_device_name(args.device) if args.device != "cpu" else "cpu"},
     })
     data.setdefault("tasks", {})
     data.setdefault("before", {})
     data.setdefault("variant_overrides", {})
     # the fixed evaluation sets: held-out windows of both corpora, tokenised with the model's tokenizer
-    base = MeshTrainer(load_config(ROOT / "configs" / TASKS["domain"], [f"train.eval_batches={args.eval_batches}"]),
-                       Path(args.cache_dir))
+    base = MeshTrainer(load_config(ROOT / "configs" / TASKS["domain"], [
+        f"train.eval_batches={args.eval_batches}", f"train.device={args.device}"]), Path(args.cache_dir))
     eval_sets = {}
     for corpus, cfg_name in EVAL_CONFIGS.items():
         c = load_config(ROOT / "configs" / cfg_name)

@@ -165,3 +165,38 @@ def test_filter_changes_the_trajectory_only_once_a_prior_arrives(tiny_cfg, cache
     after0, _ = weights_after(8, "0.0")
     moved = [n for n in targets if not torch.equal(after1[n], after0[n])]
     assert moved == targets
+
+
+def test_train_device_is_validated(tiny_cfg):
+    from meshnode.config import ConfigError
+
+    assert tiny_cfg().train.device == "cpu"
+    assert tiny_cfg("train.device=cuda:1").train.device == "cuda:1"
+    for bad in ("tpu", "cuda:x", "CUDA", ""):
+        with pytest.raises(ConfigError, match="train.device"):
+            tiny_cfg(f"train.device={bad}")
+
+
+# one of each path that puts tensors on a device: codecs, PowerSGD + the outer step, the anchor and its SVD
+CUDA_VARIANTS = {
+    "dense": (),
+    "rotq4_g1": ("mask.codec=rotq", "mask.bits=4", "mask.grad_bits=1", "mask.rotq_weight=norm_std"),
+    "dp": ("dp.enabled=true", "dp.replicas=2", "dp.inner_steps=2", "dp.rank=4", "dp.quantize=true"),
+    "m95_ap": ("mask.ratio=0.95", "anchor.enabled=true", "anchor.period=2", "spectral.rank=8"),
+    "m95_bc": ("mask.ratio=0.95", "anchor.enabled=true", "anchor.period=2", "spectral.mode=bias_correction"),
+}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("variant", sorted(CUDA_VARIANTS))
+def test_mesh_on_cuda_agrees_with_cpu(tiny_cfg, cache_dir, variant):
+    """``train.device = cuda`` trains the same run as the CPU (fp32, no TF32: up to rounding)."""
+    out = {}
+    for device in ("cpu", "cuda"):
+        mesh = MeshTrainer(tiny_cfg(*EXACT, "train.steps=6", *CUDA_VARIANTS[variant], f"train.device={device}"),
+                           cache_dir)
+        assert next(mesh.workers[0][0].module.parameters()).device.type == device
+        for _ in range(6):
+            mesh.train_step()
+        out[device] = [*mesh.losses, mesh.heldout_loss()]
+    assert out["cuda"] == pytest.approx(out["cpu"], rel=2e-3), out

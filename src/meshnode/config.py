@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +95,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # 0 = only at the end
     seed: int = 0
     threads: int = 0  # torch intra-op threads (0 = leave torch's default)
+    device: str = "cpu"  # where the in-process mesh (``meshnode train``) runs: cpu | cuda | cuda:N
 
 
 @dataclass(kw_only=True, slots=True)
@@ -256,6 +258,8 @@ _NON_NEGATIVE = {
 
 
 def _check_value(key: str, value: Any) -> None:
+    if key == "train.device" and not re.fullmatch(r"cpu|cuda(:[0-9]+)?", value):
+        raise ConfigError(f"train.device: {value!r} is not cpu, cuda or cuda:N")
     if key in _CHOICES and value not in _CHOICES[key]:
         raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, _CHOICES[key]))}")
     if key in _RANGES:

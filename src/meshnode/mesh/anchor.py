@@ -74,7 +74,7 @@ class MeshAnchor:
             for aw, fw in zip(self.workers, trainer.workers[0]):
                 aw.module.load_state_dict(fw.module.state_dict())
                 trainer.counter.add("anchor", sum(p.numel() * 2 for p in fw.module.parameters()))
-        ids = self.source.batch(self.cycles)
+        ids = self.source.batch(self.cycles).to(trainer.device)
         mb = MicrobatchId(step, 0)
         clean = self._grads(mb, ids, masked=False)
         masked = self._grads(mb, ids, masked=True) if self.mode == "bias_correction" else None

@@ -80,6 +80,11 @@ class MeshTrainer:
         self.eval_set = heldout_batches(self.corpus.heldout, cfg.train.batch_size, cfg.train.eval_batches)
         stages = cut_model(model, cfg.model.stages, cfg.model.boundaries)
         del model
+        self.device = torch.device(cfg.train.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"train.device = {cfg.train.device!r}, but torch sees no CUDA device")
+        for m in stages.values():
+            m.to(self.device)
         self.num_stages = cfg.model.stages
         self.replicas = cfg.dp.replicas if cfg.dp.enabled or cfg.dp.replicas > 1 else 1
         self.counter = ByteCounter()
@@ -131,7 +136,7 @@ class MeshTrainer:
         tokens = 0
         for r, workers in enumerate(self.workers):
             for m in range(cfg.train.microbatches):
-                ids = self.sources[r].batch(step * cfg.train.microbatches + m)
+                ids = self.sources[r].batch(step * cfg.train.microbatches + m).to(self.device)
                 losses.append(self.run_microbatch(workers, MicrobatchId(step, m), ids))
                 tokens += ids.numel()
             for w in workers:
@@ -153,7 +158,7 @@ class MeshTrainer:
         total = 0.0
         batches = batches if batches is not None else self.eval_set
         for ids in batches:
-            x = ids
+            x = ids = ids.to(self.device)
             for w in workers:
                 x = w.eval_forward(x)
             total += float(causal_lm_loss(x, ids))
@@ -249,7 +254,7 @@ class MeshTrainer:
                 f"checkpoint has {meta.get('replicas')} replicas x {meta.get('stages')} stages, "
                 f"this run {self.replicas} x {self.num_stages}"
             )
-        state = torch.load(directory / "state.pt", weights_only=False)
+        state = torch.load(directory / "state.pt", weights_only=False, map_location=self.device)
         for r, workers in enumerate(self.workers):
             for w in workers:
                 w.module.load_state_dict(load_file(str(directory / f"replica{r}-stage{w.index}.safetensors")))
