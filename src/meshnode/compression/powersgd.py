@@ -64,15 +64,18 @@ def orthonormalize(p: Tensor, eps: float = _EPS) -> Tensor:  # (m, r) -> (m, r)
     """Orthonormal columns spanning ``p``'s columns, by CGS2; dependent columns become zero."""
     p = p.to(torch.float32).clone()
     m, r = p.shape
-    scale = float(p.norm()) or 1.0
+    # no host sync (no float() of a device tensor): on a GPU shared by several processes each sync waited for the
+    # others' time slices, and a DP round made r + 1 of them per tensor (docs/quality.md, GPU sweep)
+    scale = p.norm()
+    floor = eps * torch.where(scale > 0, scale, torch.ones_like(scale))
     for i in range(r):
         col = p[:, i]
         if i:
             prev = p[:, :i]
             for _ in range(2):
                 col = col - prev @ (prev.T @ col)
-        norm = float(col.norm())
-        p[:, i] = col / norm if norm > eps * scale else 0.0
+        norm = col.norm()
+        p[:, i] = torch.where(norm > floor, col / norm.clamp_min(floor), torch.zeros_like(col))
     return p
 
 
