@@ -1,10 +1,12 @@
 """Seconds per PowerSGD round of one stage of SmolLM2-135M, alone and with other processes sharing the device.
 
 A round is what one DP sync of a fragment does on each replica: ``phase_p``, average, ``phase_q``, average,
-``finish``, for two replicas, rank 16, 8-bit factors, over one stage's 10 layers of matrices. ``--impl sync`` swaps
-in the orthonormalisation as it was before 2026-12-04 (a host sync, ``float(norm)``, per column), ``--impl
-current`` uses the library's. ``--procs N`` starts N copies at once (each its own process and CUDA context), the
-way ``scripts/quality_sweep.py`` shares one GPU.
+``finish``, for two replicas, rank 16, 8-bit factors, over one stage's 10 layers of matrices. ``--impls`` picks the
+orthonormalisation of the averaged P: ``sync`` as it was before 2026-12-04 (per tensor, a host sync,
+``float(norm)``, per column), ``pertensor`` the sync-free one called per tensor (the first fix: ``current`` in
+``docs/results/bench-powersgd-gpu.json``), ``current`` the library's (the tensors of one shape as one batch).
+``--procs N`` starts N copies at once (each its own process and CUDA context), the way
+``scripts/quality_sweep.py`` shares one GPU.
 
     python scripts/bench_powersgd.py --device cuda --procs 1,8 --out /tmp/psgd.json
 """
@@ -40,8 +42,9 @@ def orthonormalize_sync(p, eps: float = 1e-7):  # the pre-2026-12-04 version: on
 
 
 def worker(args) -> dict:
-    if args.impl == "sync":
-        powersgd.orthonormalize = orthonormalize_sync
+    if args.impl in ("sync", "pertensor"):
+        one = orthonormalize_sync if args.impl == "sync" else powersgd.orthonormalize
+        powersgd.orthonormalize_all = lambda factors: {n: one(t) for n, t in factors.items()}
     dev = torch.device(args.device)
     g = torch.Generator(device="cpu").manual_seed(0)
     tensors = [{f"{layer}.{n}": (torch.randn(*s, generator=g) * 1e-3).to(dev) for layer in range(10)
@@ -69,7 +72,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--procs", default="1", help="comma-separated numbers of concurrent processes")
-    ap.add_argument("--impls", default="sync,current")
+    ap.add_argument("--impls", default="sync,pertensor,current")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

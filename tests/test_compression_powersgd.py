@@ -10,6 +10,7 @@ from meshnode.compression import (
     PowerSGDState,
     compressed_rank,
     orthonormalize,
+    orthonormalize_all,
     powersgd_allreduce,
     powersgd_decode,
 )
@@ -39,6 +40,20 @@ def test_orthonormalize():
     q = orthonormalize(p)
     assert float(q[:, 3].norm()) == 0.0
     assert torch.allclose(q[:, [0, 1, 2, 4, 5]].T @ q[:, [0, 1, 2, 4, 5]], torch.eye(5), atol=1e-5)
+
+
+def test_orthonormalize_all_batches_by_shape():
+    """The batched form equals each matrix's own, whatever the order the factors come in."""
+    shapes = {"a": (50, 6), "b": (30, 6), "c": (50, 6), "d": (50, 4), "e": (50, 6)}
+    ps = {n: _randn(*s, seed=i) for i, (n, s) in enumerate(shapes.items())}
+    ps["c"][:, 2] = ps["c"][:, 0] - ps["c"][:, 1]  # a dependent column inside a batch: zero there, only there
+    out = orthonormalize_all(ps)
+    assert list(out) == list(ps)
+    for n, p in ps.items():
+        torch.testing.assert_close(out[n], orthonormalize(p), rtol=0, atol=1e-6)
+    assert float(out["c"][:, 2].norm()) == 0.0 and float(out["a"][:, 2].norm()) > 0.99
+    shuffled = orthonormalize_all({n: ps[n] for n in reversed(list(ps))})
+    assert all(torch.equal(shuffled[n], out[n]) for n in ps)  # bit for bit: every peer batches alike
 
 
 def test_exact_after_one_round_when_rank_suffices():
@@ -184,7 +199,7 @@ def test_decode_from_the_averaged_phases_equals_finish(quantize):
         qs = [s.phase_q(p_avg) for s in states]
         q_avg = {n: (qs[0][n] + qs[1][n]) / 2 for n in qs[0]}
         outs = [s.finish(q_avg) for s in states]
-        p_hat = {n: orthonormalize(t) if n in q_avg else t for n, t in p_avg.items()}
+        p_hat = {**p_avg, **orthonormalize_all({n: t for n, t in p_avg.items() if n in q_avg})}
         decoded = powersgd_decode(p_hat, q_avg, shapes, rank=3)
         assert set(decoded) == set(shapes) and "bias" not in q_avg
         for n in shapes:

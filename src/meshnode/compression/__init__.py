@@ -25,7 +25,14 @@ from .codec import (
     simulate_transfer,
 )
 from .mask import MaskKey, channel_hash, keep_indices, keep_mask, num_kept
-from .powersgd import PowerSGDState, compressed_rank, orthonormalize, powersgd_allreduce, powersgd_decode
+from .powersgd import (
+    PowerSGDState,
+    compressed_rank,
+    orthonormalize,
+    orthonormalize_all,
+    powersgd_allreduce,
+    powersgd_decode,
+)
 from .quant import dequantize_absmax, fake_quantize, pack_int4, quantize_absmax, quantized_nbytes, unpack_int4
 from .rotquant import ROTQ_BITS, rotation, rotq_decode, rotq_encode, rotq_nbytes
 
@@ -34,7 +41,8 @@ __all__ = [
     "DenseCodec", "EncodedPayload", "MaskCodec", "MaskKey", "PayloadError", "PowerSGDState", "QuantCodec", "ROTQ_BITS",
     "RotQuantCodec", "rotation", "rotq_decode", "rotq_encode", "rotq_nbytes",
     "TopKCodec", "channel_hash", "compressed_rank", "dequantize_absmax", "fake_quantize", "gather_kept",
-    "keep_indices", "keep_mask", "make_codec", "masked_boundary", "num_kept", "orthonormalize", "pack_int4",
+    "keep_indices", "keep_mask", "make_codec", "masked_boundary", "num_kept", "orthonormalize", "orthonormalize_all",
+    "pack_int4",
     "payload_bytes", "powersgd_allreduce", "powersgd_decode", "quantize_absmax", "quantized_nbytes", "rms_scale",
     "scatter_kept",
     "simulate_transfer", "tensor_bytes", "unpack_int4",

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..compression import PowerSGDState, compressed_rank, orthonormalize, powersgd_decode
+from ..compression import PowerSGDState, compressed_rank, orthonormalize_all, powersgd_decode
 from ..optim import OuterNesterov, fragments, fragments_due, fragments_due_by_clock, sync_schedule
 from ..protocol import keys
 
@@ -207,8 +207,8 @@ class SwarmDP:
         self.log_seq += 1
         if self.keep_log:
             p_avg, q_avg = phases
-            p = {n: (orthonormalize(t) if n in q_avg else t).detach().to(LOG_DTYPE, copy=True)
-                 for n, t in p_avg.items()}
+            p_hat = orthonormalize_all({n: t for n, t in p_avg.items() if n in q_avg})
+            p = {n: p_hat.get(n, t).detach().to(LOG_DTYPE, copy=True) for n, t in p_avg.items()}
             q = {n: t.detach().to(LOG_DTYPE, copy=True) for n, t in q_avg.items()}
             self.log.append(DPLogEntry(self.log_seq, f, p, q))
 
