@@ -177,6 +177,12 @@ def test_train_device_is_validated(tiny_cfg):
             tiny_cfg(f"train.device={bad}")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_without_a_device_is_a_clear_error(tiny_cfg, cache_dir):
+    with pytest.raises(ValueError, match="sees no CUDA device"):
+        MeshTrainer(tiny_cfg("train.device=cuda"), cache_dir)
+
+
 # one of each path that puts tensors on a device: codecs, PowerSGD + the outer step, the anchor and its SVD
 CUDA_VARIANTS = {
     "dense": (),
