@@ -315,6 +315,7 @@ def main() -> None:
     data = json.loads(out.read_text()) if args.resume and out.is_file() else {}
     command = "python scripts/quality_table.py " + " ".join(
         [f"--tasks {args.tasks}", f"--variants {args.variants}", f"--steps {args.steps}"]
+        + ([f"--eval-batches {args.eval_batches}"] if args.eval_batches != 8 else [])
         + [f"--set {s}" for s in args.set] + [f"--extra {e}" for e in args.extra])
     # a resumed file keeps every command that wrote rows into it, in order; "command" is the latest
     commands = data.get("commands") or ([data["command"]] if data.get("command") else [])
