@@ -56,6 +56,9 @@ PLAIN_AVG = ["dp.outer_lr=1.0", "dp.outer_momentum=0.0"]
 ROTQ2_NS = ["mask.codec=rotq", "mask.bits=2", "mask.rotq_weight=norm_std"]
 ROTQ4_NS_G1 = ["mask.codec=rotq", "mask.bits=4", "mask.rotq_weight=norm_std", "mask.grad_bits=1"]
 
+# the same 4 sequences per step and replica, as two microbatches of 2 (dp.v_correction needs M >= 2)
+MB2 = ["train.batch_size=2", "train.microbatches=2"]
+
 VARIANTS: dict[str, list[str]] = {
     # the table the issue asks for
     "dense": [],
@@ -144,6 +147,26 @@ VARIANTS: dict[str, list[str]] = {
     "dense_lr1.4": ["train.lr=1.41e-4"],
     # the fairer control for DP's averaging: one AdamW on batch 8 (what two replicas see together) at that lr
     "dense_b8_lr1.4": ["train.batch_size=8", "train.lr=1.41e-4"],
+    # DP's moments: each replica's AdamW normalises by its own moments, built from its own batch-4 gradients.
+    # Average the replicas' moments at every sync, exactly (mesh only; bf16 bytes on the dp axis). With exact
+    # averaging every step, the averaged first moment makes the mean update that of batch-8 momentum (each
+    # replica adds only (1 - beta1) of its own gradient): the ceiling of the idea
+    "dense_dp_mv": [*DP, "dp.average_moments=true"],
+    "dense_dp_avg1_mv": [*DP, "dp.inner_steps=1", "dp.fragments=1", *PLAIN_AVG, *EXACT_DP,
+                         "dp.average_moments=true"],
+    # ... which left the second moment as the one difference from batch-8 AdamW: each replica's v holds its own
+    # batch-4 gradient noise. dp.v_correction estimates that noise from two microbatches of 2 (so the step sees
+    # the same 4 sequences per replica, split in two; other sequences than batch 4 x 1 draws, hence the _mb2
+    # controls) and takes the excess out of v
+    "dense_dp_mb2": [*DP, *MB2],
+    "dense_dp_vc": [*DP, *MB2, "dp.v_correction=true"],
+    "dense_dp_avg1_mv_vc": [*DP, "dp.inner_steps=1", "dp.fragments=1", *PLAIN_AVG, *EXACT_DP,
+                            "dp.average_moments=true", *MB2, "dp.v_correction=true"],
+    # is it only a longer step? The same at lr 1.41e-4, against dense_dp_lr1.4 and dense_lr1.4 (twelfth session)
+    "dense_dp_vc_lr1.4": [*DP, *MB2, "dp.v_correction=true", "train.lr=1.41e-4"],
+    # the whole system (the codec + plain-average DP) with and without it
+    "rotq4_ns_g1_dpavg_mb2": [*ROTQ4_NS_G1, *DP, *MB2],
+    "rotq4_ns_g1_dpavg_vc": [*ROTQ4_NS_G1, *DP, *MB2, "dp.v_correction=true"],
 }
 TABLE = ["dense", "dense_dp", "m90", "m90_ap", "m95", "m95_ap", "m95_ap_dp", "topk", "int8"]
 

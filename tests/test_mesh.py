@@ -87,6 +87,31 @@ def test_exact_dp_every_step_is_parameter_averaging(tiny_cfg, cache_dir):
     assert mesh.counter.snapshot()["dp"] > 0
 
 
+def test_dp_average_moments_averages_the_adamw_state(tiny_cfg, cache_dir):
+    """dp.average_moments: after a sync every replica holds the mean of the moments the replicas had, and the dp
+    axis counts them; without it the replicas keep their own moments."""
+    base = (*EXACT, "train.steps=3", "dp.enabled=true", "dp.replicas=2", "dp.inner_steps=1", "dp.rank=4",
+            "dp.fragments=1")
+    own = MeshTrainer(tiny_cfg(*base), cache_dir)
+    avg = MeshTrainer(tiny_cfg(*base, "dp.average_moments=true"), cache_dir)
+    own.train_step()
+    avg.train_step()  # the first step: both start from the same weights and batches
+    numel = 0
+    for s in range(len(own.workers[0])):
+        opts_own = [own.workers[r][s].optimizer for r in range(2)]
+        opts_avg = [avg.workers[r][s].optimizer for r in range(2)]
+        for n in opts_own[0].params:
+            st_own = [o.state[o.params[n]] for o in opts_own]
+            st_avg = [o.state[o.params[n]] for o in opts_avg]
+            numel += st_own[0]["exp_avg"].numel()
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert not torch.equal(st_own[0][k], st_own[1][k]), (n, k)  # the replicas' own moments differ
+                assert torch.equal(st_avg[0][k], st_avg[1][k]), (n, k)
+                assert torch.allclose(st_avg[0][k], (st_own[0][k] + st_own[1][k]) / 2, rtol=1e-5, atol=1e-12)
+    extra = avg.counter.snapshot()["dp"] - own.counter.snapshot()["dp"]
+    assert extra == 2 * 2 * numel * 2  # two replicas, two moments, bf16, ring factor 2 (X - 1) / X = 1
+
+
 def test_masked_mesh_is_deterministic_and_compresses(tiny_cfg, cache_dir):
     args = ("train.eval_every=0", "train.steps=5", "mask.ratio=0.9", "model.stages=3")
     a = MeshTrainer(tiny_cfg(*args), cache_dir)
@@ -144,6 +169,34 @@ def test_anchor_resume_is_bit_identical(tiny_cfg, cache_dir, tmp_path):
     c.load_checkpoint(tmp_path / "ck")
     c.train()
     assert c.losses == a.losses
+
+
+def test_dp_v_correction_lowers_v_and_resumes_bit_identical(tiny_cfg, cache_dir, tmp_path):
+    args = ("train.eval_every=0", "train.steps=6", "dp.enabled=true", "dp.replicas=2", "dp.inner_steps=2",
+            "dp.rank=2", "train.microbatches=2", "train.batch_size=2")
+    plain = MeshTrainer(tiny_cfg(*args), cache_dir)
+    corr = MeshTrainer(tiny_cfg(*args, "dp.v_correction=true"), cache_dir)
+    plain.train_step()
+    corr.train_step()  # the same first step; only the second moments it leaves behind differ
+    assert plain.losses == corr.losses
+    lower = 0
+    for wp, wc in zip(plain.workers[0], corr.workers[0]):
+        for n, p in wp.optimizer.params.items():
+            vp = wp.optimizer.state[p]["exp_avg_sq"]
+            vc = wc.optimizer.state[wc.optimizer.params[n]]["exp_avg_sq"]
+            assert (vc <= vp).all() and (vc >= vp / 4 - 1e-12).all(), n  # between the floor and AdamW's own
+            lower += int((vc < vp).sum())
+    assert lower > 0
+    a = MeshTrainer(tiny_cfg(*args, "dp.v_correction=true"), cache_dir)
+    a.train()
+    b = MeshTrainer(tiny_cfg(*args, "dp.v_correction=true"), cache_dir)
+    b.train(until=3, checkpoint_dir=tmp_path / "ck")
+    c = MeshTrainer(tiny_cfg(*args, "dp.v_correction=true"), cache_dir)
+    c.load_checkpoint(tmp_path / "ck")
+    c.train()
+    assert c.losses == a.losses  # the correction's EMAs travel with the checkpoint
+    plain.train()
+    assert plain.losses != a.losses
 
 
 def test_filter_changes_the_trajectory_only_once_a_prior_arrives(tiny_cfg, cache_dir):

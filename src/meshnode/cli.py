@@ -245,6 +245,12 @@ def join(
             raise ConfigError(f"--stage: {stage!r} is not a stage number or auto")
         if stage != "auto" and int(stage) >= cfg.model.stages:
             raise ConfigError(f"--stage: {stage} but the run has stages 0..{cfg.model.stages - 1}")
+        if cfg.dp.average_moments:
+            raise ConfigError("dp.average_moments is an in-process mesh experiment; the swarm's DP averages "
+                              "weights only")
+        if cfg.dp.v_correction:  # the worker would do it, but no swarm run has checked it against the mesh yet
+            raise ConfigError("dp.v_correction is measured in the in-process mesh only; the swarm does not take it "
+                              "yet")
         from .node.daemon import JoinOptions, run_join
 
         opts = JoinOptions(

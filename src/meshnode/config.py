@@ -186,6 +186,18 @@ class DPConfig:
     # step this peer knows (from the microbatches it serves and the drivers' records), a clock the replicas
     # of a stage share, so that they start each sync within a few seconds of each other.
     clock: str = "own"
+    # In-process mesh only (an experiment; `meshnode join` refuses it): at each sync also average the replicas'
+    # AdamW moments (both) of the synced parameters, exactly, counted on the dp axis as bf16 ring all-reduce
+    # bytes. The question it answers: is DP's cost over one batch-8 AdamW in each replica's own moments
+    # (docs/quality.md)? Averaging the first moment alone diverged (loss 3.0 -> 27.4 one step after a sync),
+    # likely where one replica's second moment is ~0 (an embedding row it never saw) under the partner's momentum.
+    average_moments: bool = False
+    # Each replica builds AdamW's second moment as if from the whole group's batch (X = dp.replicas times its
+    # own): the excess variance of its own gradient, estimated from the spread of its microbatches' gradients,
+    # is taken out of each step's g^2 (meshnode.optim.noise). Needs train.microbatches >= 2. Local: no bytes.
+    # Measured in the in-process mesh (docs/quality.md, fifteenth session); `meshnode join` refuses it until a
+    # swarm run has been checked against the mesh.
+    v_correction: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -360,6 +372,9 @@ def _cross_check(cfg: RunConfig) -> None:
     if cfg.dp.matchmaking_time >= cfg.dp.round_timeout:
         raise ConfigError(f"dp.matchmaking_time: {cfg.dp.matchmaking_time} s must be below dp.round_timeout "
                           f"({cfg.dp.round_timeout} s): a round would time out while still gathering its group")
+    if cfg.dp.v_correction and (not cfg.dp.enabled or cfg.train.microbatches < 2):
+        raise ConfigError("dp.v_correction needs dp.enabled = true and train.microbatches >= 2 (it estimates the "
+                          f"gradient's noise from the microbatches; got {cfg.train.microbatches})")
     if len(cfg.train.betas) != 2:
         raise ConfigError(f"train.betas: expected two numbers, got {cfg.train.betas}")
 

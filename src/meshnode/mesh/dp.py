@@ -6,7 +6,8 @@ copy, since every peer applies the same all-reduced result). The stage's paramet
 when ``(t - offset_f) % H == 0``. A sync all-reduces the replicas' pseudo-gradients (start minus
 current weights) with PowerSGD (rank ``dp.rank``, error feedback, optional 8-bit factors), takes a
 Nesterov outer step on the start weights and copies them into every replica. The bytes one replica
-would send are counted on the ``dp`` axis.
+would send are counted on the ``dp`` axis. ``dp.average_moments`` (an experiment) also averages the replicas'
+AdamW moments of the synced parameters (:func:`average_moments`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ class MeshDP:
         for r in range(1, self.replicas):
             for n in names:
                 live[r][n].copy_(live[0][n])
+        if trainer.cfg.dp.average_moments:
+            trainer.counter.add("dp", self.replicas * average_moments(
+                [trainer.workers[r][stage].optimizer for r in range(self.replicas)], names))
 
     def state_dict(self) -> dict:
         return {
@@ -75,6 +79,26 @@ class MeshDP:
             for p, st in zip(row, strow):
                 p.load_state_dict(st)
         self.syncs = int(state["syncs"])
+
+
+@torch.no_grad()
+def average_moments(optimizers, names: list[str], keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq")) -> int:
+    """Set the AdamW state ``keys`` of the parameters ``names`` to their mean over the replicas' optimizers.
+
+    Returns the bytes one replica would send for it: a bf16 ring all-reduce moves 2 (X - 1) / X of each tensor.
+    Parameters without state yet (before their first step) are skipped."""
+    x = len(optimizers)
+    sent = 0
+    for n in names:
+        states = [opt.state.get(opt.params[n]) for opt in optimizers]
+        if any(not st for st in states):
+            continue
+        for k in keys:
+            mean = torch.stack([st[k] for st in states]).mean(0)
+            for st in states:
+                st[k].copy_(mean)
+            sent += 2 * mean.numel() * 2 * (x - 1) // x
+    return sent
 
 
 def maybe_dp(trainer) -> MeshDP | None:

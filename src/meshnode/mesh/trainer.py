@@ -223,7 +223,7 @@ class MeshTrainer:
             for w in workers:
                 weights = {k: v.detach().contiguous() for k, v in w.module.state_dict().items()}
                 save_file(weights, str(tmp / f"replica{r}-stage{w.index}.safetensors"))
-                optim[f"{r}.{w.index}"] = w.optimizer.state_dict()
+                optim[f"{r}.{w.index}"] = w.optimizer_state()
         ext_state = {type(e).__name__: e.state_dict() for e in self.extensions}
         torch.save({"optim": optim, "extensions": ext_state}, tmp / "state.pt")
         meta = {
@@ -258,7 +258,7 @@ class MeshTrainer:
         for r, workers in enumerate(self.workers):
             for w in workers:
                 w.module.load_state_dict(load_file(str(directory / f"replica{r}-stage{w.index}.safetensors")))
-                w.optimizer.load_state_dict(state["optim"][f"{r}.{w.index}"])
+                w.load_optimizer_state(state["optim"][f"{r}.{w.index}"])
         for e in self.extensions:
             e.load_state_dict(state["extensions"][type(e).__name__])
         self.step = int(meta["step"])

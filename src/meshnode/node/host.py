@@ -447,7 +447,7 @@ class StageHost:
     def _state_blob(self) -> bytes:
         buf = io.BytesIO()
         state = {
-            "weights": self._weights_snapshot(), "optimizer": self.worker.optimizer.state_dict(),
+            "weights": self._weights_snapshot(), "optimizer": self.worker.optimizer_state(),
             "opt_step": self.opt_step, "driver_step": self.driver_step,
             "dp": None if self.dp is None else self.dp.state_dict(),
         }
@@ -469,7 +469,7 @@ class StageHost:
     def load_state_blob(self, blob: bytes) -> None:
         state = torch.load(io.BytesIO(blob), weights_only=True)
         self.worker.module.load_state_dict(state["weights"])
-        self.worker.optimizer.load_state_dict(state["optimizer"])
+        self.worker.load_optimizer_state(state["optimizer"])
         self.opt_step = int(state["opt_step"])
         self.driver_step = int(state["driver_step"])
         if self.dp is not None and state.get("dp") is not None:

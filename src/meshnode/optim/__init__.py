@@ -5,6 +5,7 @@ Pure tensor code: nothing here imports networking (DESIGN.md section 2).
 """
 
 from meshnode.optim.diloco import OuterNesterov, fragments, fragments_due, fragments_due_by_clock, sync_schedule
+from meshnode.optim.noise import MicrobatchNoise
 from meshnode.optim.schedule import lr_at
 from meshnode.optim.spectral import (
     EMA_INITS,
@@ -17,6 +18,7 @@ from meshnode.optim.spectral import (
 )
 
 __all__ = [
-    "EMA_INITS", "MODES", "OuterNesterov", "PriorError", "SpectralAdamW", "SpectralFilter", "fragments",
-    "fragments_due", "fragments_due_by_clock", "is_targeted", "lr_at", "sync_schedule", "truncated_svd",
+    "EMA_INITS", "MODES", "MicrobatchNoise", "OuterNesterov", "PriorError", "SpectralAdamW", "SpectralFilter",
+    "fragments", "fragments_due", "fragments_due_by_clock", "is_targeted", "lr_at",
+    "sync_schedule", "truncated_svd",
 ]

@@ -28,7 +28,7 @@ from torch import Tensor
 from ..compression import BoundaryContext, ByteCounter, EncodedPayload, MaskKey, make_codec, payload_bytes
 from ..config import RunConfig
 from ..model import StageModule
-from ..optim import SpectralAdamW
+from ..optim import MicrobatchNoise, SpectralAdamW
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ class StageWorker:
             named, cfg.spectral, max_staleness=cfg.anchor.max_staleness, lr=t.lr, betas=tuple(t.betas), eps=t.eps,
             weight_decay=t.weight_decay, ema_init=cfg.spectral.ema_init,
         )
+        self.noise = MicrobatchNoise(dict(named), cfg.dp.replicas) if cfg.dp.v_correction else None
         self.in_flight: dict[MicrobatchId, _InFlight] = {}
         self.step_stats = StepStats()
         self.masked = True  # the anchor turns masking off on its own workers
@@ -187,6 +188,8 @@ class StageWorker:
                 )
             state.outputs.backward(g)
         del self.in_flight[mb]
+        if self.noise is not None:
+            self.noise.after_microbatch()
         if self.is_first:
             return None
         payload = codec.encode_grad(state.inputs.grad, state.ctx_in)
@@ -201,12 +204,17 @@ class StageWorker:
         """Clip this stage's gradient, apply the optimizer, zero the gradients. Returns step stats."""
         params = [p for p in self.module.parameters() if p.grad is not None]
         grad_norm = float("nan")
-        if params and self.cfg.train.grad_clip > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip))
+        variance = self.noise.variance() if self.noise is not None else {}
+        clip = self.cfg.train.grad_clip
+        if params and clip > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step(step)
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.noise is not None:
+            scale = min(1.0, clip / (grad_norm + 1e-6)) if params and clip > 0 else 1.0  # clip_grad_norm_'s factor
+            self.noise.after_step(self.optimizer, variance, scale)
+        self.zero_grad()
         stats = {
             "loss": self.step_stats.loss_sum / max(1, self.step_stats.microbatches),
             "tokens": self.step_stats.tokens,
@@ -215,8 +223,20 @@ class StageWorker:
         self.step_stats = StepStats()
         return stats
 
+    def optimizer_state(self) -> dict:
+        """The optimizer's state dict, with the second-moment correction's EMAs (``dp.v_correction``)."""
+        state = self.optimizer.state_dict()
+        return state if self.noise is None else {**state, "noise": self.noise.state_dict()}
+
+    def load_optimizer_state(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+        if self.noise is not None and "noise" in state:
+            self.noise.load_state_dict(state["noise"])
+
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        if self.noise is not None:
+            self.noise.reset()
 
     # ------------------------------------------------------------------------------------------
     # evaluation (unmasked, no graph)
