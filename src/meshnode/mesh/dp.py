@@ -82,8 +82,8 @@ class MeshDP:
 
 
 @torch.no_grad()
-def average_moments(optimizers, names: list[str], keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq")) -> int:
-    """Set the AdamW state ``keys`` of the parameters ``names`` to their mean over the replicas' optimizers.
+def average_moments(optimizers, names: list[str]) -> int:
+    """Set both AdamW moments of the parameters ``names`` to their mean over the replicas' optimizers.
 
     Returns the bytes one replica would send for it: a bf16 ring all-reduce moves 2 (X - 1) / X of each tensor.
     Parameters without state yet (before their first step) are skipped."""
@@ -93,7 +93,7 @@ def average_moments(optimizers, names: list[str], keys: tuple[str, ...] = ("exp_
         states = [opt.state.get(opt.params[n]) for opt in optimizers]
         if any(not st for st in states):
             continue
-        for k in keys:
+        for k in ("exp_avg", "exp_avg_sq"):
             mean = torch.stack([st[k] for st in states]).mean(0)
             for st in states:
                 st[k].copy_(mean)

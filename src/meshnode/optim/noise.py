@@ -41,6 +41,7 @@ class MicrobatchNoise:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         self.params = params
+        self._names = {id(q): n for n, q in params.items()}  # the optimizer's groups hold the tensors, not names
         self.replicas = replicas
         self._prev: dict[str, Tensor] = {}
         self._sq: dict[str, Tensor] = {}
@@ -91,13 +92,12 @@ class MicrobatchNoise:
         was multiplied by (the variance scales by its square). ``p.grad`` must still hold the gradient the
         step used. Tensors without an estimate this step (none with M < 2) keep AdamW's ``v``, and their EMAs
         lapse (they restart from AdamW's ``v`` when estimates come back). Returns how many were corrected."""
-        names = {id(q): n for n, q in self.params.items()}
         excess = 1.0 - 1.0 / self.replicas
         done = 0
         for group in optimizer.param_groups:
             beta2 = group["betas"][1]
             for p in group["params"]:
-                n = names.get(id(p))
+                n = self._names.get(id(p))
                 st = optimizer.state.get(p)
                 var = variance.get(n) if n is not None else None
                 if var is None or p.grad is None or not st or "exp_avg_sq" not in st:
@@ -106,13 +106,12 @@ class MicrobatchNoise:
                         self.ema_var.pop(n, None)
                     continue
                 v = st["exp_avg_sq"]
-                g2 = p.grad.detach().float().square()
                 a = self.ema_g2.get(n)
                 if a is None:  # AdamW's v already holds this step's g^2; the variance EMA starts with it
                     a = self.ema_g2[n] = v.detach().float().clone()
                     b = self.ema_var[n] = (1 - beta2) * var * scale * scale
                 else:
-                    a.mul_(beta2).add_(g2, alpha=1 - beta2)
+                    a.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
                     b = self.ema_var[n]
                     b.mul_(beta2).add_(var, alpha=(1 - beta2) * scale * scale)
                 v.copy_(torch.maximum(a - excess * b, a / (2 * self.replicas)).to(v.dtype))
