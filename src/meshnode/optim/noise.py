@@ -33,9 +33,11 @@ class MicrobatchNoise:
     Call :meth:`after_microbatch` after each microbatch's backward (``p.grad`` then holds the sum of the
     microbatch gradients so far, each already divided by M), :meth:`variance` before clipping, and
     :meth:`after_step` after the optimizer step (before the gradients are zeroed), then :meth:`reset`.
-    Costs four parameter-sized buffers per tensor.
+    Costs four parameter-sized fp32 buffers per tensor, allocated once: every pass over them is in place
+    (``scripts/bench_noise.py`` measures what a step costs).
 
-    :param replicas: X, the DP group size the second moment is corrected to."""
+    :param replicas: X, the DP group size the second moment is corrected to (the swarm sets it to the size
+        of the group its last DP sync averaged with)."""
 
     def __init__(self, params: dict[str, torch.nn.Parameter], replicas: int):
         if replicas < 1:
@@ -43,45 +45,65 @@ class MicrobatchNoise:
         self.params = params
         self._names = {id(q): n for n, q in params.items()}  # the optimizer's groups hold the tensors, not names
         self.replicas = replicas
-        self._prev: dict[str, Tensor] = {}
-        self._sq: dict[str, Tensor] = {}
+        self._prev: dict[str, Tensor] = {}  # the step's gradient so far (fp32); after_step's scratch
+        self._sq: dict[str, Tensor] = {}  # sum of the microbatch shares squared; variance() turns it into s2_hat
         self._touched: set[str] = set()  # tensors with a gradient since the last reset
+        self._variance: dict[str, Tensor] | None = None  # set by variance() until the next reset
         self.count = 0
         self.ema_g2: dict[str, Tensor] = {}  # A
         self.ema_var: dict[str, Tensor] = {}  # B
 
     @torch.no_grad()
     def after_microbatch(self) -> None:
-        names = [n for n, p in self.params.items() if p.grad is not None]
-        for n in names:
+        if self._variance is not None:
+            raise RuntimeError("after_microbatch after variance(): call reset() first")
+        first, rest = [], []
+        for n, p in self.params.items():
+            if p.grad is None:
+                continue
             if n not in self._prev:
-                self._prev[n] = torch.zeros_like(self.params[n], dtype=torch.float32)
+                self._prev[n] = torch.zeros_like(p, dtype=torch.float32)
                 self._sq[n] = torch.zeros_like(self._prev[n])
-        if names:
-            grads = [self.params[n].grad.detach().float() for n in names]
-            prevs, sqs = [self._prev[n] for n in names], [self._sq[n] for n in names]
-            deltas = torch._foreach_sub(grads, prevs)  # this microbatch's share: g_j / M
-            torch._foreach_addcmul_(sqs, deltas, deltas)
+            (rest if n in self._touched else first).append(n)
+        # a tensor's first gradient since the reset is its whole share so far (the microbatches before gave it
+        # none): the buffers are overwritten, so reset() need not zero them
+        for n in first:
+            g = self.params[n].grad.detach()
+            self._prev[n].copy_(g)
+            torch.mul(self._prev[n], self._prev[n], out=self._sq[n])
+        if rest:
+            grads = [self.params[n].grad.detach() for n in rest]
+            prevs, sqs = [self._prev[n] for n in rest], [self._sq[n] for n in rest]
+            torch._foreach_sub_(prevs, grads)  # minus this microbatch's share, -g_j / M
+            torch._foreach_addcmul_(sqs, prevs, prevs)
             torch._foreach_copy_(prevs, grads)
-            self._touched.update(names)
+        self._touched.update(first)
         self.count += 1
 
     @torch.no_grad()
     def variance(self) -> dict[str, Tensor]:
         """``name -> s2_hat``: the unbiased variance estimate of the step's gradient (the mean of the M
-        microbatch gradients), from the last :meth:`reset` on; empty with fewer than two microbatches."""
+        microbatch gradients), from the last :meth:`reset` on; empty with fewer than two microbatches. The
+        tensors are the tracker's buffers, valid until :meth:`after_step` or :meth:`reset` (computed once:
+        a second call returns the same dict)."""
         m = self.count
         if m < 2:
             return {}
-        # microbatch j's own gradient is g_j = M * delta_j, the step's gradient g = sum_j delta_j; the variance
-        # of g (a mean of M) is sum_j (g_j - g)^2 / (M (M - 1)) = (M * sum_j delta_j^2 - g^2) / (M - 1)
-        return {n: (m * self._sq[n] - self._prev[n].square()).clamp_(min=0) / (m - 1) for n in self._touched}
+        if self._variance is None:
+            # microbatch j's own gradient is g_j = M * delta_j, the step's gradient g = sum_j delta_j; the variance
+            # of g (a mean of M) is sum_j (g_j - g)^2 / (M (M - 1)) = (M * sum_j delta_j^2 - g^2) / (M - 1)
+            names = sorted(self._touched)
+            sqs, prevs = [self._sq[n] for n in names], [self._prev[n] for n in names]
+            torch._foreach_mul_(sqs, m / (m - 1))
+            torch._foreach_addcmul_(sqs, prevs, prevs, value=-1.0 / (m - 1))
+            torch._foreach_clamp_min_(sqs, 0.0)
+            self._variance = dict(zip(names, sqs))
+        return self._variance
 
     def reset(self) -> None:
-        """Forget the microbatches of the step (the EMAs stay; the buffers are kept, zeroed)."""
-        if self._touched:
-            torch._foreach_zero_([*(self._prev[n] for n in self._touched), *(self._sq[n] for n in self._touched)])
+        """Forget the microbatches of the step (the EMAs stay; the buffers are kept for the next step)."""
         self._touched.clear()
+        self._variance = None
         self.count = 0
 
     @torch.no_grad()
@@ -91,8 +113,10 @@ class MicrobatchNoise:
         ``variance``: from :meth:`variance`, taken before clipping; ``scale``: the clip factor the gradient
         was multiplied by (the variance scales by its square). ``p.grad`` must still hold the gradient the
         step used. Tensors without an estimate this step (none with M < 2) keep AdamW's ``v``, and their EMAs
-        lapse (they restart from AdamW's ``v`` when estimates come back). Returns how many were corrected."""
+        lapse (they restart from AdamW's ``v`` when estimates come back). Returns how many were corrected.
+        The tracker's own buffers serve as scratch: :meth:`variance`'s tensors are spent afterwards."""
         excess = 1.0 - 1.0 / self.replicas
+        floor = 1.0 / (2 * self.replicas)
         done = 0
         for group in optimizer.param_groups:
             beta2 = group["betas"][1]
@@ -109,12 +133,19 @@ class MicrobatchNoise:
                 a = self.ema_g2.get(n)
                 if a is None:  # AdamW's v already holds this step's g^2; the variance EMA starts with it
                     a = self.ema_g2[n] = v.detach().float().clone()
-                    b = self.ema_var[n] = (1 - beta2) * var * scale * scale
+                    b = self.ema_var[n] = (1 - beta2) * scale * scale * var
                 else:
                     a.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
                     b = self.ema_var[n]
                     b.mul_(beta2).add_(var, alpha=(1 - beta2) * scale * scale)
-                v.copy_(torch.maximum(a - excess * b, a / (2 * self.replicas)).to(v.dtype))
+                # v = max(A - (1 - 1/X) B, A / 2X), with the step's gradient copy as scratch for the floor
+                lo = self._prev[n] if n in self._touched else torch.empty_like(a)
+                torch.mul(a, floor, out=lo)
+                if v.dtype == torch.float32:
+                    torch.add(a, b, alpha=-excess, out=v)
+                    torch.maximum(v, lo, out=v)
+                else:
+                    v.copy_(torch.maximum(a - excess * b, lo))
                 done += 1
         return done
 
