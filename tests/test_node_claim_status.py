@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshnode.node.claim import choose_stage, should_rebalance, stage_loads
+from meshnode.node.claim import choose_shard, choose_stage, should_rebalance, stage_loads
 from meshnode.node.priors import HEADER_NAME, PriorIncomplete, PriorReader, validate_prior
 from meshnode.node.status import bytes_per_token, slowest_driver_step, status_json, summarize, swarm_health
 from meshnode.protocol import keys
@@ -37,6 +37,34 @@ def test_rebalance_moves_one_peer_of_a_crowded_stage():
     assert should_rebalance(snap, 3, "c") is None  # only the smallest id moves
     assert should_rebalance(snap, 3, "a") is None  # alone in its stage
     assert should_rebalance(snap + [peer("d", 2)], 3, "b") is None
+
+
+def test_drivers_read_different_shards():
+    """Every demo swarm with two drivers used to give both shard 0 (each ranked itself among the drivers it had
+    seen: itself only): its two DP replicas trained on the same batches. Now a driver takes a shard no other
+    driver announces, and of two that took the same one the larger peer id moves."""
+    assert choose_shard([], "b", 2) == 0  # alone: shard 0
+    assert choose_shard([peer("a", 0, "driver", shard=0)], "b", 2) == 1
+    assert choose_shard([peer("a", 0, "driver", shard=0)], "b", 2, current=0) == 1  # both took 0: b moves
+    assert choose_shard([peer("b", 0, "driver", shard=0)], "a", 2, current=0) == 0  # ... and a stays
+    assert choose_shard([peer("c", 0, "driver", shard=1)], "b", 2, current=0) == 0  # no conflict: kept
+    assert choose_shard([peer("a", 0, "driver", shard=1, state="offline")], "b", 2) == 0  # a left: its shard too
+    # starting together, seen but no shard announced yet: by peer id among them
+    assert choose_shard([peer("a", 0, "driver")], "b", 2) == 1
+    assert choose_shard([peer("c", 0, "driver")], "b", 2) == 0
+    assert choose_shard([peer("c", 0, "driver")], "b", 2, current=1) == 1  # running: kept
+    assert choose_shard([peer("x", 1, "fast", shard=0)], "b", 2) == 0  # only drivers hold shards
+    # more drivers than shards: all held, shared by rank
+    snap = [peer("a", 0, "driver", shard=0), peer("b", 0, "driver", shard=1)]
+    assert choose_shard(snap, "c", 2) == 0 and choose_shard(snap, "0", 2) == 0
+    assert choose_shard(snap, "c", 2, current=5) == 0  # a shard out of range is not kept
+    assert choose_shard([], "a", 1) == 0
+    with pytest.raises(ValueError):
+        choose_shard([], "a", 0)
+    # the record carries it through the DHT schema
+    rec = peer("a", 0, "driver", shard=1)
+    assert PeerRecord.from_value(rec.to_value()).shard == 1
+    assert PeerRecord.from_value(peer("f", 1).to_value()).shard is None
 
 
 def test_health_and_summary():

@@ -54,4 +54,28 @@ def should_rebalance(peers: Sequence[PeerRecord], num_stages: int, me: str) -> i
     return starved[0]
 
 
-__all__ = ["choose_stage", "should_rebalance", "stage_loads", "starved_stages"]
+def choose_shard(peers: Sequence[PeerRecord], me: str, shards: int, current: int | None = None) -> int:
+    """The data shard (of ``shards`` = dp.replicas) driver ``me`` should read, from the shards the other drivers
+    announce: its ``current`` one unless a driver with a smaller peer id holds it too; otherwise a shard no other
+    driver holds: at the start, of the free shards the one of its rank among the drivers that hold none yet (two
+    drivers starting together take 0 and 1 if they see each other; if not, both take 0, and once their records
+    meet the larger peer id moves), later the lowest. With every shard held (more drivers than shards), drivers
+    share them by their rank among the drivers."""
+    if shards <= 0:
+        raise ValueError(f"shards must be > 0, got {shards}")
+    drivers = [p for p in peers if p.role == "driver" and p.state in ("joining", "online") and p.peer_id != me]
+    held = {p.shard for p in drivers if p.shard is not None}
+    if current is not None and 0 <= current < shards and not any(
+            p.shard == current and p.peer_id < me for p in drivers):
+        return current
+    free = [s for s in range(shards) if s not in held]
+    if current is None:  # starting: the drivers that hold no shard yet share the free ones by peer id
+        k = sorted({me, *(p.peer_id for p in drivers if p.shard is None)}).index(me)
+        if k < len(free):
+            return free[k]
+    if free:
+        return free[0]
+    return sorted({me, *(p.peer_id for p in drivers)}).index(me) % shards
+
+
+__all__ = ["choose_shard", "choose_stage", "should_rebalance", "stage_loads", "starved_stages"]

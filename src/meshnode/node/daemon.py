@@ -40,7 +40,7 @@ from ..protocol import keys
 from ..protocol.limits import Limits
 from ..protocol.records import PeerRecord
 from ..protocol.servicer import RPCServicer, StageServicer, stream_rpc
-from .claim import choose_stage
+from .claim import choose_shard, choose_stage
 from .host import StageHost
 from .status import driver_step, swarm_health
 from .swarm import ChainError, SwarmClient, SwarmError, start_dht
@@ -92,6 +92,7 @@ class SwarmNode:
         self.role = opts.role
         self.driver_step = 0
         self.driver_tokens = 0
+        self.shard: int | None = None  # a driver's data shard (of dp.replicas), announced in its record
         self.last_loss: float | None = None
         self.prior_step: int | None = None
         self.metrics = None
@@ -198,7 +199,7 @@ class SwarmNode:
             tokens=self.driver_tokens if self.role == "driver" else (host.tokens if host else 0),
             loss=_finite(self.last_loss if self.role == "driver" else (host.last_loss if host else None)),
             bytes={k: v for k, v in self.counter.snapshot().items() if k != "total"},
-            prior_step=self.prior_step, dp_syncs=host.dp_syncs() if host else 0,
+            prior_step=self.prior_step, dp_syncs=host.dp_syncs() if host else 0, shard=self.shard,
         )
 
     async def announce(self, state: str) -> None:
@@ -386,16 +387,29 @@ class SwarmNode:
         tok = make_tokenizer(cfg.model, None if cfg.model.tokenizer == "bytes" else _hf_tokenizer(cfg, self.opts))
         corpus = await asyncio.to_thread(prepare_corpus, cfg.data, tok, self.opts.cache_dir)
         replicas = cfg.dp.replicas if cfg.dp.enabled or cfg.dp.replicas > 1 else 1
-        drivers = sorted(
-            p.peer_id for p in self.swarm.peers if p.role == "driver" and p.state in ("online", "joining")
-        )
-        rank = drivers.index(self.swarm.peer_id) % replicas if self.swarm.peer_id in drivers else 0
-        source = BatchSource(corpus.train, cfg.train.batch_size, shard=rank, num_shards=replicas, seed=cfg.train.seed)
         M = cfg.train.microbatches
         start = time.monotonic()
-        logger.info("driver: shard %d of %d, from step %d to %d", rank, replicas, self.driver_step, cfg.train.steps)
+        source = None
+        # every holder's copy of the records: the other drivers (their shards) and this stage's DP partners, which
+        # the cheap first-holder reads of the refresh loop may not show for a while after a join
+        with contextlib.suppress(Exception):
+            await self.swarm.refresh(full=True)
         while self.driver_step < cfg.train.steps and not self.stopping.is_set():
             step = self.driver_step
+            # each driver reads its own shard: the one no other driver announces (re-checked every step, so two
+            # drivers that started together and both took shard 0 part once they see each other's records)
+            shard = choose_shard(self.swarm.peers, self.swarm.peer_id, replicas, self.shard)
+            if source is None or shard != self.shard:
+                if source is not None:
+                    logger.info("driver: shard %d is another driver's; moving to shard %d at step %d", self.shard,
+                                shard, step)
+                else:
+                    logger.info("driver: shard %d of %d, from step %d to %d", shard, replicas, step, cfg.train.steps)
+                self.shard = shard
+                source = BatchSource(corpus.train, cfg.train.batch_size, shard=shard, num_shards=replicas,
+                                     seed=cfg.train.seed)
+                with contextlib.suppress(Exception):  # tell the other drivers now, not at the next announcement
+                    await self.announce("online")
             pending = list(range(M))
             losses: dict[int, float] = {}
             stalled_since = None

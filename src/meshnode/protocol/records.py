@@ -49,6 +49,7 @@ class PeerRecordSchema(pydantic.BaseModel):
     bytes: dict[StrictStr, conint(strict=True, ge=0)] | None = None
     prior_step: StrictInt | None = None
     dp_syncs: conint(strict=True, ge=0) | None = None
+    shard: conint(strict=True, ge=0, le=65535) | None = None  # a driver's data shard (of dp.replicas)
     version: StrictStr | None = None
     updated: StrictFloat | None = None
 
@@ -108,6 +109,7 @@ class PeerRecord:
     bytes: dict[str, int] = field(default_factory=dict)
     prior_step: int | None = None
     dp_syncs: int = 0
+    shard: int | None = None
     version: str = SOFTWARE_VERSION
     updated: float = 0.0
     owner: str = ""
