@@ -28,6 +28,9 @@ class _ExactPowerSGD:
     def finish(self, q):
         return dict(q)
 
+    def abandon(self):
+        pass
+
 
 def _dp(params, release: asyncio.Event, calls: list):
     dp = SwarmDP.__new__(SwarmDP)
@@ -35,7 +38,7 @@ def _dp(params, release: asyncio.Event, calls: list):
     async def run(fn, *args):
         return fn(*args)
 
-    dp.host = SimpleNamespace(run=run, opt_step=0)
+    dp.host = SimpleNamespace(run=run, opt_step=0, worker=SimpleNamespace(noise=None))
     dp.params = params
     dp.H = 2
     dp.frags = [list(params)]
@@ -45,8 +48,9 @@ def _dp(params, release: asyncio.Event, calls: list):
     dp.overlap = True
     dp.clock, dp._periods = None, []
     dp.pending, dp.ready = {}, []
-    dp.skipped = dp.syncs = 0
+    dp.skipped = dp.syncs = dp.abandoned = 0
     dp.group_sizes = []
+    dp.partners = lambda: 1
     dp.keep_log, dp.log, dp.log_seq = False, [], 0
     dp._round_lock = asyncio.Lock()
 
@@ -116,10 +120,11 @@ def test_a_sync_averages_q_only_with_the_group_that_averaged_p():
     """Q is projected on the averaged P: a P round without partners makes the sync local (no Q round, so this peer
     cannot meet a late partner's P round with its Q), and a Q round that met other peers than P is not used."""
 
-    def run_sync(groups):
+    def run_sync(groups, partners=1):
         async def scenario():
             params = {"w": torch.zeros(2, 2)}
             dp = _dp(params, asyncio.Event(), [])
+            dp.partners = lambda: partners
             calls, values = [], iter(groups)
 
             async def average(tensors, tag, paired=False):
@@ -128,18 +133,54 @@ def test_a_sync_averages_q_only_with_the_group_that_averaged_p():
                 return {n: t * factor for n, t in tensors.items()}, members
 
             dp._average = average
-            out, g, (p_avg, q_avg) = await dp._rounds(0, None, {"w": torch.ones(2, 2)})
-            return calls, out["w"], g
+            done = await dp._rounds(0, {"w": torch.ones(2, 2)})
+            return calls, (None if done is None else (done[0]["w"], done[1])), dp.abandoned
 
         return asyncio.run(scenario())
 
     pair, other = frozenset({"me", "b"}), frozenset({"me", "c"})
-    calls, out, g = run_sync([(pair, 2.0), (pair, 3.0)])  # both rounds in one group: both averages used
+    calls, (out, g), _ = run_sync([(pair, 2.0), (pair, 3.0)])  # both rounds in one group: both averages used
     assert calls == ["p", "q!"] and g == 2 and torch.equal(out, torch.full((2, 2), 6.0))
-    calls, out, g = run_sync([(frozenset(), 1.0)])  # alone in P: no Q round at all, the own update
+    calls, (out, g), _ = run_sync([(frozenset(), 1.0)], partners=0)  # truly alone: no Q round, the own update
     assert calls == ["p"] and g == 1 and torch.equal(out, torch.ones(2, 2))
-    calls, out, g = run_sync([(pair, 2.0), (other, 3.0)])  # Q met someone else: P's average, own Q
-    assert calls == ["p", "q!"] and g == 1 and torch.equal(out, torch.full((2, 2), 2.0))
+    # partners exist but none came: abandoned, no Q round, nothing to apply
+    assert run_sync([(frozenset(), 1.0)]) == (["p"], None, 1)
+    # Q met someone else: abandoned too (P's average with an own Q would be this peer's alone)
+    assert run_sync([(pair, 2.0), (other, 3.0)]) == (["p", "q!"], None, 1)
+
+
+def test_an_unpaired_sync_changes_nothing_and_the_progress_carries_over():
+    """A sync that finds no group while the stage has partners is abandoned: the weights, the start and the
+    PowerSGD error feedback stay as they were (applying the own update would move this replica's start away from
+    its partners' for good), and the next paired sync averages the whole progress since the common start."""
+    async def scenario():
+        w = torch.zeros(8, 6)
+        params = {"w": w}
+        dp = _dp(params, asyncio.Event(), [])
+        dp.overlap = False
+        dp.psgd = PowerSGDState(2)
+        partner_comes = [False]
+
+        async def average(tensors, tag, paired=False):  # the partner's values are ours: the own update
+            return tensors, (frozenset({"me", "b"}) if partner_comes[0] else frozenset())
+
+        dp._average = average
+        progress = torch.randn(8, 6)
+        w.add_(progress)
+        await dp.sync(0)
+        assert dp.abandoned == 1 and dp.syncs == 0 and torch.equal(w, progress)
+        assert torch.equal(dp.outer.start["w"], torch.zeros(8, 6)) and dp.psgd.errors == {}
+        more = torch.randn(8, 6)
+        w.add_(more)
+        partner_comes[0] = True
+        await dp.sync(0)
+        assert dp.syncs == 1 and dp.group_sizes == [2]
+        # start 0, outer lr 0.5: w = -0.5 * (the rank-2 part of the pseudo-gradient, -(progress + more)); the rest
+        # is in the error feedback: the whole progress since the common start went into this sync
+        assert torch.linalg.matrix_rank(w) <= 2
+        assert torch.allclose(2 * w - dp.psgd.errors["w"], progress + more, atol=1e-5)
+
+    asyncio.run(scenario())
 
 
 def test_a_failed_background_sync_changes_nothing():
@@ -170,12 +211,12 @@ def _logging_dp(params, maxlen: int):
     async def alone(tensors, tag, paired=False):
         return tensors, frozenset()
 
-    dp.host = SimpleNamespace(run=run, opt_step=0)
+    dp.host = SimpleNamespace(run=run, opt_step=0, worker=SimpleNamespace(noise=None))
     dp.params = params
     dp.frags = [["w"], ["b"]]
     dp.outer = OuterNesterov(params, lr=0.7, momentum=0.9)
     dp.psgd = PowerSGDState(2, quantize=True)
-    dp.syncs, dp.group_sizes = 0, []
+    dp.syncs, dp.group_sizes, dp.partners = 0, [], lambda: 0
     dp.keep_log, dp.log, dp.log_seq = True, deque(maxlen=maxlen), 0
     dp.log_epoch, dp.log_base = "e1", "pretrained"
     dp._average = alone
@@ -477,3 +518,89 @@ def test_a_cancelled_call_frees_its_place_and_its_graph(tiny_cfg, cache_dir):
         assert await host.wait_idle(30.0) and host.opt_step == 2
 
     asyncio.run(go())
+
+
+def test_a_joiner_takes_the_second_moment_correction_with_the_state(tiny_cfg, cache_dir):
+    """dp.v_correction in the swarm: a peer that loads a replica's state blob (a joiner, or a restart) gets the
+    correction's EMAs with AdamW's moments, so its next step is the replica's own, bit for bit (weights, v, EMAs);
+    loaded without them, the EMAs would restart from AdamW's v and the next v would differ."""
+    import io
+
+    from meshnode.optim import MicrobatchNoise
+
+    vc = ("train.microbatches=2", "dp.enabled=true", "dp.replicas=2", "dp.v_correction=true")
+    cfg, a, mod_a, x, y = _last_stage_host(tiny_cfg, cache_dir, *vc)
+    B, T = cfg.train.batch_size, cfg.data.seq_len
+    x2 = DenseCodec("bfloat16").encode(torch.randn(B, T, cfg.model.tiny_hidden))
+    y2 = torch.randint(0, 200, (B, T))
+    assert isinstance(a.worker.noise, MicrobatchNoise)
+
+    async def one_step(host, step):
+        for m, (inp, lab) in enumerate([(x, y), (x2, y2)]):
+            await host.process(driver="d", step=step, mb=m, attempt=1, inputs=inp, labels=lab)
+        assert await host.wait_idle(30.0)
+
+    def strip_noise(blob: bytes) -> bytes:
+        state = torch.load(io.BytesIO(blob), weights_only=True)
+        assert set(state["optimizer"]["noise"]["ema_var"]) == set(a.worker.noise.ema_var)
+        state["optimizer"].pop("noise")
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        return buf.getvalue()
+
+    joiners = []
+
+    async def go():  # one event loop: a host's condition belongs to the loop that first used it
+        await one_step(a, 0)
+        assert a.opt_step == 1 and a.worker.noise.ema_var  # the correction ran
+        blob = a._state_blob()
+        for b in (blob, strip_noise(blob)):
+            _, host, mod, _, _ = _last_stage_host(tiny_cfg, cache_dir, *vc)
+            host.load_state_blob(b)
+            joiners.append((host, mod))
+        for host in (a, *(h for h, _ in joiners)):
+            await one_step(host, 1)
+
+    asyncio.run(go())
+    (full, mod_full), (bare, _) = joiners
+    assert full.opt_step == a.opt_step == 2
+
+    def v_of(host):
+        return [host.worker.optimizer.state[p]["exp_avg_sq"] for p in host.worker.module.parameters()]
+
+    assert all(torch.equal(p, q) for p, q in zip(mod_a.parameters(), mod_full.parameters()))
+    assert all(torch.equal(u, w) for u, w in zip(v_of(a), v_of(full)))
+    for n, t in a.worker.noise.ema_var.items():
+        assert torch.equal(t, full.worker.noise.ema_var[n]) and torch.equal(a.worker.noise.ema_g2[n],
+                                                                          full.worker.noise.ema_g2[n])
+    assert not all(torch.equal(u, w) for u, w in zip(v_of(a), v_of(bare)))  # EMAs restarted: another v
+
+
+def test_the_correction_follows_the_group_the_last_sync_met():
+    """dp.v_correction in the swarm: X is the size of the group the last DP sync averaged with (the mesh's is
+    always dp.replicas): a pair corrects to 2, a sync alone (nobody to average with) to 1, no correction."""
+    from meshnode.optim import MicrobatchNoise
+
+    async def scenario():
+        params = {"w": torch.zeros(2, 2)}
+        dp = _dp(params, asyncio.Event(), [])
+        noise = MicrobatchNoise({"w": torch.nn.Parameter(torch.zeros(2, 2))}, replicas=3)
+        dp.host.worker.noise = noise
+        groups = iter([frozenset({"me", "b"}), frozenset(), frozenset(), frozenset({"me", "b"})])
+
+        async def average(tensors, tag, paired=False):
+            return tensors, (next(groups) if tag[0] == "p" else frozenset({"me", "b"}))
+
+        dp._average = average
+        dp.overlap = False
+        await dp.sync(0)
+        assert noise.replicas == 2
+        await dp.sync(0)  # a partner is known but did not come: abandoned, nothing changes
+        assert noise.replicas == 2 and dp.abandoned == 1
+        dp.partners = lambda: 0
+        await dp.sync(0)  # truly alone: a local sync, not averaged with anyone
+        assert noise.replicas == 1 and dp.group_sizes == [2, 1]
+        dp.partners = lambda: 1
+        await dp.sync(0)
+        assert noise.replicas == 2
+    asyncio.run(scenario())

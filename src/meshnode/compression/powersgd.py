@@ -140,6 +140,11 @@ class PowerSGDState:
         self.warm_q.clear()
         self._reset_round()
 
+    def abandon(self) -> None:
+        """Drop the round in progress: error feedback and warm starts stay as they were before it (only a
+        tensor's first warm start, drawn from the seed, is kept)."""
+        self._reset_round()
+
     def state_dict(self) -> dict[str, dict[str, Tensor]]:
         return {"errors": dict(self.errors), "warm_q": dict(self.warm_q)}
 

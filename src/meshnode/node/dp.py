@@ -121,6 +121,7 @@ class SwarmDP:
         self.pending: dict[int, asyncio.Task] = {}  # fragment -> background rounds (overlap)
         self.ready: list[tuple[int, dict, dict, tuple]] = []  # (fragment, averaged update, weight snapshot, phases)
         self.skipped = 0
+        self.abandoned = 0  # syncs that found no group although partners exist (nothing applied)
         self._round_lock = asyncio.Lock()
         self.syncs = 0
         self.rounds = 0
@@ -174,33 +175,55 @@ class SwarmDP:
         names = self.frags[f]
         host = self.host
         pseudo = await host.run(self.outer.pseudo_gradient, self.params, names)
-        out, g, phases = await self._rounds(f, self.syncs, pseudo)
+        done = await self._rounds(f, pseudo)
+        if done is None:
+            return
+        out, g, phases = done
         await host.run(self._apply, out)
         self._record(f, phases)
         self._count(f, g)
 
-    async def _rounds(self, f: int, tag: int | None, pseudo: dict) -> tuple[dict, int, tuple[dict, dict]]:
+    async def _rounds(self, f: int, pseudo: dict) -> tuple[dict, int, tuple[dict, dict]] | None:
         """PowerSGD phase P, all-reduce, phase Q, all-reduce, finish: the averaged update, the group size and the
-        two averaged phases (what :func:`powersgd_decode` needs to redo the update)."""
+        two averaged phases (what :func:`powersgd_decode` needs to redo the update); None when the sync is
+        abandoned.
+
+        Abandoned: the rounds did not average with a group although this peer has partners (none joined the P
+        round in time, or the Q round did not meet the P round's group). The outer step moves the start weights,
+        and the replicas of a stage stay one model only while they move them together: applying this peer's own
+        update would put its start where no partner's is, and every later average (of pseudo-gradients from
+        those different starts) would keep the difference for good. So nothing changes: no outer step, the
+        error feedback as before the round, and the progress carries over to the next sync (whose
+        pseudo-gradient, from the same start, holds it). A peer with no partner at all syncs alone, as the
+        mesh does with one replica (and the anchor can follow it through the DP log)."""
         host = self.host
         p = await host.run(self.psgd.phase_p, pseudo)
-        p_avg, p_group = await self._average(p, ("p", f) if tag is None else ("p", f, tag))
-        q = await host.run(self.psgd.phase_q, p_avg)
+        p_avg, p_group = await self._average(p, ("p", f))
         if len(p_group) < 2:
             # Q is this peer's pseudo-gradient projected on its P: averaging it with anyone is only meaningful
             # when the P it was projected on is the same (the group's average). A P round without partners
             # makes the whole sync local, and keeps this peer out of matchmaking, where its Q round would
             # meet a late partner's P round (hivemind tells the two phases apart only by the tag we gather).
+            if self.partners() >= 1:
+                return self._abandon(f, "no partner joined the P round")
+            q = await host.run(self.psgd.phase_q, p_avg)
             q_avg, q_group = q, p_group
         else:
+            q = await host.run(self.psgd.phase_q, p_avg)
             # the P group's members are there: no look at the swarm snapshot, whose records may lag
-            q_avg, q_group = await self._average(q, ("q", f) if tag is None else ("q", f, tag), paired=True)
-            if q_group != p_group:  # no Q average, or one of other peers (possible with 3+ replicas): own Q
-                logger.warning("DP sync of fragment %d: the Q round %s; keeping own Q", f,
-                               "found no partner" if not q_group else "met other peers than the P round")
-                q_avg, q_group = q, frozenset()
+            q_avg, q_group = await self._average(q, ("q", f), paired=True)
+            if q_group != p_group:  # no Q average, or one of other peers (possible with 3+ replicas)
+                return self._abandon(f, "the Q round " + ("found no partner" if not q_group else
+                                                          "met other peers than the P round"))
         out = await host.run(self.psgd.finish, q_avg)
         return out, max(1, min(len(p_group), len(q_group))), (p_avg, q_avg)
+
+    def _abandon(self, f: int, why: str) -> None:
+        self.psgd.abandon()
+        self.abandoned += 1
+        logger.info("DP sync of fragment %d at step %d abandoned: %s; start kept, the progress carries over",
+                    f, self.host.opt_step, why)
+        return None
 
     def _record(self, f: int, phases: tuple[dict, dict]) -> None:
         """Number the outer step just applied and, when the anchor follows DP, keep its phases."""
@@ -229,13 +252,23 @@ class SwarmDP:
         self.syncs += 1
         self.group_sizes.append(group)
         logger.info("DP sync %d (fragment %d) at step %d: group of %d", self.syncs, f, self.host.opt_step, group)
+        # dp.v_correction corrects each replica's second moment to the batch of the group its updates are averaged
+        # with: the mesh's is always dp.replicas; here it is the group the last sync met (until the first sync, the
+        # dp.replicas the peer expects). A peer that synced alone is not averaged with anyone: no correction.
+        noise = self.host.worker.noise
+        if noise is not None and noise.replicas != group:
+            logger.info("dp.v_correction: second moment now corrected to a group of %d (was %d)", group,
+                        noise.replicas)
+            noise.replicas = group
 
     async def _background(self, f: int, due_step: int, names: list[str], pseudo: dict, snapshot: dict) -> None:
         try:
             async with self._round_lock:  # one averager buffer: rounds of different fragments take turns
-                out, g, phases = await self._rounds(f, None, pseudo)
-            self.ready.append((f, out, snapshot, phases))
-            self._count(f, g)
+                done = await self._rounds(f, pseudo)
+            if done is not None:
+                out, g, phases = done
+                self.ready.append((f, out, snapshot, phases))
+                self._count(f, g)
         except Exception as exc:  # the fast circuit goes on; this fragment simply skipped a sync
             logger.warning("DP background sync of fragment %d failed: %r", f, exc)
         finally:
