@@ -177,7 +177,10 @@ def test_anchor_follows_dp_instead_of_fetching_weights(swarm_factory, tmp_path, 
     (["mask.ratio=0.9"], (1.0, 1.0)),
     # rotq weighted by the receiver's norm gains (the sender's copy of them), 1-bit gradients against 4-bit activations
     (["mask.codec=rotq", "mask.bits=4", "mask.rotq_weight=norm_std", "mask.grad_bits=1"], (0.0, 0.4)),
-], ids=["m90", "rotq4g1"])
+    # dp.v_correction: a replica of an X = 2 run that has not synced yet (H beyond the run), the mesh's replica 0
+    (["mask.ratio=0.9", "dp.enabled=true", "dp.replicas=2", "dp.inner_steps=1000", "dp.v_correction=true"],
+     (1.0, 1.0)),
+], ids=["m90", "rotq4g1", "m90_vcorr"])
 def test_equivalence_with_in_process_mesh(swarm_factory, tmp_path, cache_dir, codec, grad_share):
     """One peer per stage, compressed boundaries: the swarm's losses are the mesh's.
 
@@ -185,6 +188,7 @@ def test_equivalence_with_in_process_mesh(swarm_factory, tmp_path, cache_dir, co
     data positions, with one torch thread per stage (the test sets the mesh to one thread too), so the
     arithmetic is the same; in practice the losses are bit-identical. The only room for a difference is
     float summation order if a kernel chose another path, which stays far below 1e-5 over 8 steps.
+    With DP on, the swarm's one driver draws shard 0 of ``dp.replicas``: the mesh's replica 0.
     """
     steps = 8
     over = THREE + [*codec, f"train.steps={steps}", "train.microbatches=2"]
@@ -210,15 +214,19 @@ def test_equivalence_with_in_process_mesh(swarm_factory, tmp_path, cache_dir, co
 
     from meshnode.mesh import MeshTrainer
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        trainer = MeshTrainer(sw.cfg, cache_dir)
-        for _ in range(steps):
-            trainer.train_step()
-    finally:
-        torch.set_num_threads(threads)
-    assert swarm_losses == pytest.approx(trainer.losses, abs=1e-5)
+    def mesh_losses(cfg) -> list[float]:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            trainer = MeshTrainer(cfg, cache_dir)
+            return [trainer.train_step()["replica_loss"][0] for _ in range(steps)]
+        finally:
+            torch.set_num_threads(threads)
+
+    assert swarm_losses == pytest.approx(mesh_losses(sw.cfg), abs=1e-5)
+    if sw.cfg.dp.v_correction:  # and the correction mattered: without it the same replica's losses differ
+        plain = mesh_losses(load_config(TINY, [o for o in over if o != "dp.v_correction=true"]))
+        assert max(abs(a - b) for a, b in zip(swarm_losses, plain)) > 1e-4
 
 
 def test_churn_kill_and_join(swarm_factory, tmp_path):

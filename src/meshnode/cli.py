@@ -248,9 +248,6 @@ def join(
         if cfg.dp.average_moments:
             raise ConfigError("dp.average_moments is an in-process mesh experiment; the swarm's DP averages "
                               "weights only")
-        if cfg.dp.v_correction:  # the worker would do it, but no swarm run has checked it against the mesh yet
-            raise ConfigError("dp.v_correction is measured in the in-process mesh only; the swarm does not take it "
-                              "yet")
         from .node.daemon import JoinOptions, run_join
 
         opts = JoinOptions(

@@ -195,8 +195,9 @@ class DPConfig:
     # Each replica builds AdamW's second moment as if from the whole group's batch (X = dp.replicas times its
     # own): the excess variance of its own gradient, estimated from the spread of its microbatches' gradients,
     # is taken out of each step's g^2 (meshnode.optim.noise). Needs train.microbatches >= 2. Local: no bytes.
-    # Measured in the in-process mesh (docs/quality.md, fifteenth session); `meshnode join` refuses it until a
-    # swarm run has been checked against the mesh.
+    # Measured in the in-process mesh (docs/quality.md, fifteenth session). In the swarm X is the size of the group
+    # the replica's last DP sync averaged with (dp.replicas until its first), and a replica's losses match the
+    # mesh's (tests/test_swarm.py).
     v_correction: bool = False
 
 

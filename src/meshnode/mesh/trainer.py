@@ -149,7 +149,9 @@ class MeshTrainer:
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step}")
         self.losses.append(loss)
-        return {"step": step, "tokens": self.tokens, "loss": loss, "lr": lr}
+        M = cfg.train.microbatches
+        by_replica = [sum(losses[r * M:(r + 1) * M]) / M for r in range(len(self.workers))]
+        return {"step": step, "tokens": self.tokens, "loss": loss, "lr": lr, "replica_loss": by_replica}
 
     @torch.no_grad()
     def heldout_loss(self, replica: int = 0, batches: list[torch.Tensor] | None = None) -> float:
