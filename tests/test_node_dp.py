@@ -48,13 +48,14 @@ def _dp(params, release: asyncio.Event, calls: list):
     dp.overlap = True
     dp.clock, dp._periods = None, []
     dp.pending, dp.ready = {}, []
-    dp.skipped = dp.syncs = dp.abandoned = 0
+    dp.skipped = dp.syncs = dp.abandoned = dp.realigned = 0
+    dp.fetch_outer = None
     dp.group_sizes = []
     dp.partners = lambda: 1
     dp.keep_log, dp.log, dp.log_seq = False, [], 0
     dp._round_lock = asyncio.Lock()
 
-    async def average(tensors, tag, paired=False):
+    async def average(tensors, tag, paired=False, fingerprint=None):
         calls.append(tag)
         await release.wait()  # the partner is slow: the rounds take a while
         return tensors, frozenset({"me", "partner"})
@@ -127,7 +128,7 @@ def test_a_sync_averages_q_only_with_the_group_that_averaged_p():
             dp.partners = lambda: partners
             calls, values = [], iter(groups)
 
-            async def average(tensors, tag, paired=False):
+            async def average(tensors, tag, paired=False, fingerprint=None):
                 calls.append(tag[0] + ("!" if paired else ""))  # "!": a round that skips the swarm-snapshot check
                 members, factor = next(values)
                 return {n: t * factor for n, t in tensors.items()}, members
@@ -161,7 +162,7 @@ def test_an_unpaired_sync_changes_nothing_and_the_progress_carries_over():
         dp.psgd = PowerSGDState(2)
         partner_comes = [False]
 
-        async def average(tensors, tag, paired=False):  # the partner's values are ours: the own update
+        async def average(tensors, tag, paired=False, fingerprint=None):  # the partner's values: ours (own update)
             return tensors, (frozenset({"me", "b"}) if partner_comes[0] else frozenset())
 
         dp._average = average
@@ -189,7 +190,7 @@ def test_a_failed_background_sync_changes_nothing():
         params = {"w": w}
         dp = _dp(params, asyncio.Event(), [])
 
-        async def broken(tensors, tag, paired=False):
+        async def broken(tensors, tag, paired=False, fingerprint=None):
             raise RuntimeError("averager died")
 
         dp._average = broken
@@ -208,7 +209,7 @@ def _logging_dp(params, maxlen: int):
     async def run(fn, *args):
         return fn(*args)
 
-    async def alone(tensors, tag, paired=False):
+    async def alone(tensors, tag, paired=False, fingerprint=None):
         return tensors, frozenset()
 
     dp.host = SimpleNamespace(run=run, opt_step=0, worker=SimpleNamespace(noise=None))
@@ -588,7 +589,7 @@ def test_the_correction_follows_the_group_the_last_sync_met():
         dp.host.worker.noise = noise
         groups = iter([frozenset({"me", "b"}), frozenset(), frozenset(), frozenset({"me", "b"})])
 
-        async def average(tensors, tag, paired=False):
+        async def average(tensors, tag, paired=False, fingerprint=None):
             return tensors, (next(groups) if tag[0] == "p" else frozenset({"me", "b"}))
 
         dp._average = average
@@ -603,4 +604,59 @@ def test_the_correction_follows_the_group_the_last_sync_met():
         dp.partners = lambda: 1
         await dp.sync(0)
         assert noise.replicas == 2
+    asyncio.run(scenario())
+
+
+def test_replicas_whose_starts_drifted_apart_take_the_leaders():
+    """A replica that synced alone before it saw its partner has moved its start weights; averaging
+    pseudo-gradients from two starts would keep that difference for good. The P round gathers a fingerprint of
+    the start: on a mismatch the sync is abandoned, and every member but the smallest peer id takes that one's
+    outer state (start and velocity; its own weights stay). The next sync then closes the gap."""
+    async def scenario():
+        w = torch.full((4, 3), 2.0)
+        params = {"w": w}
+        dp = _dp(params, asyncio.Event(), [])
+        dp.overlap = False
+        dp.averager = SimpleNamespace(peer_id="me")
+        dp.log, dp.log_seq, dp.log_base, dp.log_epoch = deque([1]), 1, "pretrained", "e0"
+        dp.outer.start["w"] = torch.full((4, 3), 1.0)  # this replica's start moved (a solo sync)
+        leader_start, leader_velocity = torch.zeros(4, 3), torch.full((4, 3), 0.5)
+        fetched = []
+
+        async def fetch_outer(peer):
+            fetched.append(peer)
+            return {"start/w": leader_start.clone(), "velocity/w": leader_velocity.clone()}
+
+        dp.fetch_outer = fetch_outer
+        leader_fp = None
+
+        async def average(tensors, tag, paired=False, fingerprint=None):
+            nonlocal leader_fp
+            if tag[0] == "p":
+                if leader_fp is None:  # what the leader (start 0) gathers
+                    leader_fp = [0.0, 0.0]
+                dp._gathered = {"me": fingerprint, "a-leader": leader_fp}
+            return tensors, frozenset({"me", "a-leader"})
+
+        dp._average = average
+        assert dp._fingerprint(0) == [12.0, 12.0]  # 12 entries of 1.0: sum and absolute sum
+        await dp.sync(0)
+        assert fetched == ["a-leader"] and dp.realigned == 1 and dp.abandoned == 1 and dp.syncs == 0
+        assert torch.equal(dp.outer.start["w"], leader_start) and torch.equal(w, torch.full((4, 3), 2.0))
+        assert dp.log_base == "loaded" and not dp.log and dp.log_epoch != "e0"  # followers reload
+        await dp.sync(0)  # the fingerprints agree now: averaged and applied from the common start
+        assert fetched == ["a-leader"] and dp.syncs == 1
+        assert torch.allclose(w, leader_start - 0.5 * (leader_start - torch.full((4, 3), 2.0)))
+
+        # the leader itself abandons and takes nothing; a fingerprint within tolerance is the same start
+        dp.averager = SimpleNamespace(peer_id="0-first")
+        dp._gathered = {}
+        dp.outer.start["w"] = torch.arange(12.0).reshape(4, 3) / 10
+        mine = dp._fingerprint(0)
+        assert dp._start_leader(mine, frozenset({"0-first", "b"})) is None  # nothing gathered: no check
+        dp._gathered = {"0-first": mine, "b": [mine[0] + 1e-3, mine[1]]}
+        assert dp._start_leader(mine, frozenset({"0-first", "b"})) == "0-first"
+        dp._gathered = {"0-first": mine, "b": [mine[0] * (1 + 1e-7), mine[1]]}
+        assert dp._start_leader(mine, frozenset({"0-first", "b"})) is None
+
     asyncio.run(scenario())

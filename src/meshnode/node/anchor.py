@@ -40,7 +40,7 @@ from ..protocol.messages import tensor_to_bytes
 from ..protocol.records import PeerRecord, cycle_digest, factors_digest, prior_value
 from ..protocol.servicer import RPCContext, RPCServicer, collect_stream
 from .dp import DPFollower, log_length
-from .host import weights_from_chunks
+from .host import pieces_bytes, weights_from_chunks
 from .priors import HEADER_NAME
 from .status import driver_step
 
@@ -197,7 +197,7 @@ class AnchorRunner:
         return await collect_stream(
             self.node.swarm.p2p, PeerID.from_base58(peer_id), f"{self.node.run_id}.{method}",
             {"run": self.node.run_id, **request}, max_bytes=self.limits.max_message_bytes,
-            timeout=self.limits.rpc_timeout, max_total=max_total, size=_pieces_bytes,
+            timeout=self.limits.rpc_timeout, max_total=max_total, size=pieces_bytes,
         )
 
     def _stage_bytes(self, stage: int) -> int:
@@ -334,14 +334,6 @@ class AnchorRunner:
         self.cycles += 1
         self.prior_step = min(steps)
         logger.info("anchor cycle %d: published priors of steps %s", self.cycles, steps)
-
-
-def _pieces_bytes(frame: dict) -> int:
-    """Tensor bytes in a weights / DP log frame (``pieces``: ``[name, dtype, shape, data, offset]`` lists)."""
-    pieces = frame.get("pieces")
-    if not isinstance(pieces, list):
-        return 0
-    return sum(len(p[3]) for p in pieces if isinstance(p, list) and len(p) == 5 and isinstance(p[3], bytes))
 
 
 def _checked_meta(frame: dict) -> dict:

@@ -39,9 +39,9 @@ from ..config import RunConfig
 from ..protocol import keys
 from ..protocol.limits import Limits
 from ..protocol.records import PeerRecord
-from ..protocol.servicer import RPCServicer, StageServicer, stream_rpc
+from ..protocol.servicer import RPCServicer, StageServicer, collect_stream, stream_rpc
 from .claim import choose_shard, choose_stage
-from .host import StageHost
+from .host import StageHost, pieces_bytes, weights_from_chunks
 from .status import driver_step, swarm_health
 from .swarm import ChainError, SwarmClient, SwarmError, start_dht
 
@@ -289,6 +289,22 @@ class SwarmNode:
         return max(self.driver_step if self.role == "driver" else 0, host.driver_step if host else 0,
                    driver_step(self.swarm.peers) if self.swarm else 0)
 
+    async def _fetch_outer(self, peer_id: str) -> dict[str, torch.Tensor]:
+        """A stage partner's DP outer state (``start/<name>``, ``velocity/<name>``, float32): what this peer takes
+        when their start weights have drifted apart (:meth:`.dp.SwarmDP._realign`)."""
+        from hivemind.p2p import PeerID
+
+        limits = self.host.limits
+        most = 2 * sum(p.numel() * 4 for p in self.host.worker.module.parameters())  # start + velocity, float32
+        chunks = await collect_stream(
+            self.swarm.p2p, PeerID.from_base58(peer_id), f"{self.run_id}.rpc_get_weights",
+            {"run": self.run_id, "what": "outer"}, max_bytes=limits.max_message_bytes, timeout=limits.rpc_timeout,
+            max_total=most, size=pieces_bytes,
+        )
+        state = weights_from_chunks(chunks)
+        self.counter.add("dp", sum(t.numel() * t.element_size() for t in state.values()))
+        return state
+
     async def _fetch_state(self, peer_id: str) -> bytes:
         from hivemind.p2p import PeerID
 
@@ -322,7 +338,8 @@ class SwarmNode:
             from .dp import SwarmDP
 
             self.host.dp = SwarmDP(self.host, self.swarm.dht, self.run_id, self.counter,
-                                   partners=lambda: self.swarm.recent_partners(self.stage), clock=self._dp_clock)
+                                   partners=lambda: self.swarm.recent_partners(self.stage), clock=self._dp_clock,
+                                   fetch_outer=self._fetch_outer)
             self.host.after_step_hooks.append(self.host.dp.after_step)
         await self._load_initial_state(ckpt)
         self.servicer = StageServicer(self.host, self.host.limits.max_message_bytes)

@@ -58,8 +58,9 @@ import contextlib
 import logging
 import secrets
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -96,7 +97,8 @@ class DPLogEntry:
 class SwarmDP:
     def __init__(self, host, dht, run_id: str, counter, partners: Callable[[], int] = lambda: 1,
                  matchmaking_time: float | None = None, round_timeout: float | None = None,
-                 clock: Callable[[], int] | None = None):
+                 clock: Callable[[], int] | None = None,
+                 fetch_outer: Callable[[str], Awaitable[dict[str, torch.Tensor]]] | None = None):
         from hivemind.averaging import DecentralizedAverager
 
         cfg = host.cfg.dp
@@ -122,6 +124,9 @@ class SwarmDP:
         self.ready: list[tuple[int, dict, dict, tuple]] = []  # (fragment, averaged update, weight snapshot, phases)
         self.skipped = 0
         self.abandoned = 0  # syncs that found no group although partners exist (nothing applied)
+        self.fetch_outer = fetch_outer  # peer id -> its outer state (start/<name>, velocity/<name>), float32
+        self.realigned = 0  # fragments whose start this peer took from a partner (the starts had drifted apart)
+        self._gathered: dict[str, Any] = {}  # peer id -> what it gathered in the last round (real averager only)
         self._round_lock = asyncio.Lock()
         self.syncs = 0
         self.rounds = 0
@@ -198,7 +203,18 @@ class SwarmDP:
         mesh does with one replica (and the anchor can follow it through the DP log)."""
         host = self.host
         p = await host.run(self.psgd.phase_p, pseudo)
-        p_avg, p_group = await self._average(p, ("p", f))
+        mine = await host.run(self._fingerprint, f)
+        self._gathered = {}
+        p_avg, p_group = await self._average(p, ("p", f), fingerprint=mine)
+        leader = self._start_leader(mine, p_group)
+        if leader is not None:  # the group's starts differ: this sync's average means nothing
+            if leader == self.me:
+                why = "the group's start weights differ; the others take this peer's"
+            elif await self._realign(f, leader):
+                why = f"the group's start weights differ; took {leader[-8:]}'s"
+            else:
+                why = f"the group's start weights differ; {leader[-8:]}'s could not be taken"
+            return self._abandon(f, why)
         if len(p_group) < 2:
             # Q is this peer's pseudo-gradient projected on its P: averaging it with anyone is only meaningful
             # when the P it was projected on is the same (the group's average). A P round without partners
@@ -217,6 +233,77 @@ class SwarmDP:
                                                           "met other peers than the P round"))
         out = await host.run(self.psgd.finish, q_avg)
         return out, max(1, min(len(p_group), len(q_group))), (p_avg, q_avg)
+
+    @property
+    def me(self) -> str:
+        return str(self.averager.peer_id)
+
+    @torch.no_grad()
+    def _fingerprint(self, f: int) -> list[float]:
+        """Per tensor of fragment ``f``: the sum of 64 evenly spaced entries of its start weights, and of their
+        absolute values. Equal starts give equal sums on any hardware to ~1e-7; one outer step apart (a sync
+        one replica made alone: a low-rank update of ~1e-4 per entry per inner step) they differ by ~1e-3."""
+        out = []
+        for n in self.frags[f]:
+            flat = self.outer.start[n].reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 64)][:64].double()
+            out += [float(sample.sum()), float(sample.abs().sum())]
+        return out
+
+    def _start_leader(self, mine: list[float], group: frozenset[str]) -> str | None:
+        """None when every member of the P round gathered this peer's fingerprint (to 1e-5 of the entries' size);
+        otherwise the member whose start the group takes: the smallest peer id (a member that sent none, an
+        older peer, is not compared)."""
+        if len(group) < 2 or not self._gathered:
+            return None
+        theirs = {p: fp for p, fp in self._gathered.items() if isinstance(fp, list) and len(fp) == len(mine)}
+
+        def same(fp: list) -> bool:
+            for i in range(0, len(mine), 2):
+                tol = 1e-5 * max(mine[i + 1], 1e-12)  # of the sampled entries' absolute sum
+                if not all(isinstance(fp[j], float) and abs(fp[j] - mine[j]) <= tol for j in (i, i + 1)):
+                    return False
+            return True
+
+        if all(same(fp) for fp in theirs.values()):
+            return None
+        return min(theirs)
+
+    async def _realign(self, f: int, leader: str) -> bool:
+        """Take fragment ``f``'s start weights and outer velocity from ``leader`` (this peer's current weights stay:
+        the next pseudo-gradient, from the common start, holds the difference, and the next average closes it)."""
+        if self.fetch_outer is None:
+            logger.warning("DP fragment %d: start weights differ from %s's and this peer cannot fetch them", f,
+                           leader[-8:])
+            return False
+        try:
+            state = await self.fetch_outer(leader)
+        except Exception as exc:
+            logger.warning("DP fragment %d: could not take %s's start weights: %r", f, leader[-8:], exc)
+            return False
+        names = self.frags[f]
+        got = {n: (state.get(f"start/{n}"), state.get(f"velocity/{n}")) for n in names}
+        bad = [n for n, (st, _) in got.items() if st is None or st.shape != self.outer.start[n].shape
+               or not bool(torch.isfinite(st).all())]
+        if bad:
+            logger.warning("DP fragment %d: %s's outer state lacks or mangles %d tensors (%s); not taken", f,
+                           leader[-8:], len(bad), bad[0])
+            return False
+        await self.host.run(self._take_start, got)
+        self.realigned += 1
+        # the DP log's entries no longer lead to this start: followers reload the outer state
+        self.log.clear()
+        self.log_base = "loaded"
+        self.log_epoch = secrets.token_hex(8)
+        logger.warning("DP fragment %d: start weights differed from the group's; took %s's", f, leader[-8:])
+        return True
+
+    @torch.no_grad()
+    def _take_start(self, got: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        for n, (st, vel) in got.items():
+            self.outer.start[n].copy_(st)
+            if vel is not None and n in self.outer.velocity and vel.shape == self.outer.velocity[n].shape:
+                self.outer.velocity[n].copy_(vel)
 
     def _abandon(self, f: int, why: str) -> None:
         self.psgd.abandon()
@@ -295,11 +382,12 @@ class SwarmDP:
     def _apply(self, avg) -> None:
         self.outer.apply(avg, self.params)
 
-    async def _average(self, tensors: dict[str, torch.Tensor], tag: tuple,
-                       paired: bool = False) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
+    async def _average(self, tensors: dict[str, torch.Tensor], tag: tuple, paired: bool = False,
+                       fingerprint: list[float] | None = None) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
         """All-reduce (mean) ``tensors`` with the stage's group: the averaged values and the group's peer ids;
         own values and an empty group when alone or on failure. Unless ``paired`` (partners known to be there),
-        a peer that sees no other replica of its stage does not look for a group."""
+        a peer that sees no other replica of its stage does not look for a group. ``fingerprint`` (of the start
+        weights) is gathered with the tag; what each member gathered is kept in ``_gathered``."""
         if not paired and self.partners() < 1:
             return tensors, frozenset()
         order = sorted(tensors)
@@ -308,16 +396,18 @@ class SwarmDP:
             buf[0].zero_()
             buf[0][: flat.numel()].copy_(flat)
         try:
-            group = await asyncio.to_thread(self.averager.step, gather=list(tag), timeout=self.round_timeout)
+            gather = [*tag, fingerprint] if fingerprint is not None else list(tag)
+            group = await asyncio.to_thread(self.averager.step, gather=gather, timeout=self.round_timeout)
         except Exception as exc:
             logger.info("DP round %s failed: %r; keeping own values", tag, exc)
             group = None
         self.rounds += 1
         if not group:
             return tensors, frozenset()
-        if any(list(v) != list(tag) for v in group.values()):
+        if any(not isinstance(v, (list, tuple)) or list(v)[: len(tag)] != list(tag) for v in group.values()):
             logger.warning("DP round %s: partners were in another phase; keeping own values", tag)
             return tensors, frozenset()
+        self._gathered = {str(peer): list(v)[len(tag)] if len(v) > len(tag) else None for peer, v in group.items()}
         with self.averager.get_tensors() as buf:
             out_flat = buf[0][: flat.numel()].clone()
         g = len(group)

@@ -499,6 +499,14 @@ def tensor_chunks(tensors: dict[str, torch.Tensor], half: bool = False):
             chunk, size = [], 0
 
 
+def pieces_bytes(frame: dict) -> int:
+    """Tensor bytes in a weights / DP log frame (``pieces``: ``[name, dtype, shape, data, offset]`` lists)."""
+    pieces = frame.get("pieces")
+    if not isinstance(pieces, list):
+        return 0
+    return sum(len(p[3]) for p in pieces if isinstance(p, list) and len(p) == 5 and isinstance(p[3], bytes))
+
+
 def weights_from_chunks(chunks: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """Rebuild a state dict from :meth:`StageHost.weights_stream` chunks (pieces in order; all checked)."""
     parts: dict[str, tuple[str, list, bytearray]] = {}
