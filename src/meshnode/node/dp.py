@@ -243,12 +243,12 @@ class SwarmDP:
         """Per tensor of fragment ``f``: the sum of 64 evenly spaced entries of its start weights, and of their
         absolute values. Equal starts give equal sums on any hardware to ~1e-7; one outer step apart (a sync
         one replica made alone: a low-rank update of ~1e-4 per entry per inner step) they differ by ~1e-3."""
-        out = []
+        sums = []
         for n in self.frags[f]:
             flat = self.outer.start[n].reshape(-1)
             sample = flat[:: max(1, flat.numel() // 64)][:64].double()
-            out += [float(sample.sum()), float(sample.abs().sum())]
-        return out
+            sums += [sample.sum(), sample.abs().sum()]
+        return [float(x) for x in torch.stack(sums).cpu().tolist()] if sums else []  # one host sync
 
     def _start_leader(self, mine: list[float], group: frozenset[str]) -> str | None:
         """None when every member of the P round gathered this peer's fingerprint (to 1e-5 of the entries' size);
