@@ -610,53 +610,102 @@ def test_the_correction_follows_the_group_the_last_sync_met():
 def test_replicas_whose_starts_drifted_apart_take_the_leaders():
     """A replica that synced alone before it saw its partner has moved its start weights; averaging
     pseudo-gradients from two starts would keep that difference for good. The P round gathers a fingerprint of
-    the start: on a mismatch the sync is abandoned, and every member but the smallest peer id takes that one's
-    outer state (start and velocity; its own weights stay). The next sync then closes the gap."""
+    the start: on a mismatch the sync is abandoned, and the members that do not hold the start most members hold
+    (ties: the smallest peer id's) take its holder's outer state, start and velocity exactly (its own weights
+    stay), if it has the fingerprint gathered. The next sync then closes the gap."""
     async def scenario():
         w = torch.full((4, 3), 2.0)
         params = {"w": w}
         dp = _dp(params, asyncio.Event(), [])
+        dp.outer = OuterNesterov(params, lr=0.5, momentum=0.9)
         dp.overlap = False
         dp.averager = SimpleNamespace(peer_id="me")
         dp.log, dp.log_seq, dp.log_base, dp.log_epoch = deque([1]), 1, "pretrained", "e0"
-        dp.outer.start["w"] = torch.full((4, 3), 1.0)  # this replica's start moved (a solo sync)
-        leader_start, leader_velocity = torch.zeros(4, 3), torch.full((4, 3), 0.5)
+        dp.outer.start["w"] = torch.full((4, 3), 1.0)  # this replica's start moved (a solo sync) ...
+        dp.outer.velocity["w"] = torch.full((4, 3), 0.3)  # ... which made a velocity its partner does not have
+        leader_start = torch.zeros(4, 3)
+        served = {"start/w": leader_start}  # the leader made no outer step yet: no velocity
         fetched = []
 
         async def fetch_outer(peer):
             fetched.append(peer)
-            return {"start/w": leader_start.clone(), "velocity/w": leader_velocity.clone()}
+            return {k: t.clone() for k, t in served.items()}
 
         dp.fetch_outer = fetch_outer
-        leader_fp = None
 
         async def average(tensors, tag, paired=False, fingerprint=None):
-            nonlocal leader_fp
             if tag[0] == "p":
-                if leader_fp is None:  # what the leader (start 0) gathers
-                    leader_fp = [0.0, 0.0]
-                dp._gathered = {"me": fingerprint, "a-leader": leader_fp}
+                dp._gathered = {"me": fingerprint, "a-leader": [0.0, 0.0]}  # the leader's start: zeros
             return tensors, frozenset({"me", "a-leader"})
 
         dp._average = average
         assert dp._fingerprint(0) == [12.0, 12.0]  # 12 entries of 1.0: sum and absolute sum
+        served["start/w"] = torch.full((4, 3), 0.5)  # first a start that is not the one the leader gathered
         await dp.sync(0)
-        assert fetched == ["a-leader"] and dp.realigned == 1 and dp.abandoned == 1 and dp.syncs == 0
-        assert torch.equal(dp.outer.start["w"], leader_start) and torch.equal(w, torch.full((4, 3), 2.0))
+        assert fetched == ["a-leader"] and dp.realigned == 0 and dp.abandoned == 1
+        assert torch.equal(dp.outer.start["w"], torch.full((4, 3), 1.0))  # not taken
+        served["start/w"] = leader_start
+        await dp.sync(0)
+        assert fetched == ["a-leader"] * 2 and dp.realigned == 1 and dp.abandoned == 2 and dp.syncs == 0
+        assert torch.equal(dp.outer.start["w"], leader_start) and "w" not in dp.outer.velocity  # exactly the leader's
+        assert torch.equal(w, torch.full((4, 3), 2.0))  # own weights kept
         assert dp.log_base == "loaded" and not dp.log and dp.log_epoch != "e0"  # followers reload
         await dp.sync(0)  # the fingerprints agree now: averaged and applied from the common start
-        assert fetched == ["a-leader"] and dp.syncs == 1
-        assert torch.allclose(w, leader_start - 0.5 * (leader_start - torch.full((4, 3), 2.0)))
-
-        # the leader itself abandons and takes nothing; a fingerprint within tolerance is the same start
-        dp.averager = SimpleNamespace(peer_id="0-first")
-        dp._gathered = {}
-        dp.outer.start["w"] = torch.arange(12.0).reshape(4, 3) / 10
-        mine = dp._fingerprint(0)
-        assert dp._start_leader(mine, frozenset({"0-first", "b"})) is None  # nothing gathered: no check
-        dp._gathered = {"0-first": mine, "b": [mine[0] + 1e-3, mine[1]]}
-        assert dp._start_leader(mine, frozenset({"0-first", "b"})) == "0-first"
-        dp._gathered = {"0-first": mine, "b": [mine[0] * (1 + 1e-7), mine[1]]}
-        assert dp._start_leader(mine, frozenset({"0-first", "b"})) is None
+        assert len(fetched) == 2 and dp.syncs == 1
+        # the leader's own first outer step from the same start, pseudo-gradient start - w = -2: velocity -2,
+        # Nesterov update -2 * (1 + 0.9), lr 0.5
+        assert torch.allclose(w, leader_start + 0.5 * 1.9 * 2.0)
 
     asyncio.run(scenario())
+
+    # who takes whose: the start most members hold, then the smallest peer id; a member already holding it takes
+    # nothing; a fingerprint within the tolerance is the same start
+    dp = _dp({"w": torch.zeros(4, 3)}, asyncio.Event(), [])
+    dp.outer.start["w"] = torch.arange(12.0).reshape(4, 3) / 10
+    mine = dp._fingerprint(0)
+    other = [mine[0] + 1e-3, mine[1]]
+    dp.averager = SimpleNamespace(peer_id="b")
+    pair = frozenset({"0-first", "b"})
+    dp._gathered = {}
+    assert dp._start_leader(mine, pair) is None  # nothing gathered: no check
+    dp._gathered = {"0-first": [mine[0] * (1 + 1e-7), mine[1]], "b": mine}
+    assert dp._start_leader(mine, pair) is None
+    dp._gathered = {"0-first": other, "b": mine}
+    assert dp._start_leader(mine, pair) == ("0-first", False)  # a tie: the smallest peer id's start
+    dp.averager = SimpleNamespace(peer_id="0-first")
+    assert dp._start_leader(other, pair) == ("0-first", True)
+    trio = frozenset({"0-first", "b", "c"})
+    dp.averager = SimpleNamespace(peer_id="c")
+    dp._gathered = {"0-first": other, "b": mine, "c": mine}
+    assert dp._start_leader(mine, trio) == ("b", True)  # two hold mine: 0-first takes b's, c takes nothing
+    dp.averager = SimpleNamespace(peer_id="0-first")
+    assert dp._start_leader(other, trio) == ("b", False)
+
+
+def test_a_failed_step_does_not_stop_the_correction_for_good(tiny_cfg, cache_dir, caplog):
+    """dp.v_correction: an optimizer step that raises (a CUDA out-of-memory, say) after the step's variance was
+    taken must not leave the tracker expecting a reset that never comes: the next microbatches are served and
+    the next step is taken (their gradients add to the failed step's, as without the correction)."""
+    vc = ("train.microbatches=2", "dp.enabled=true", "dp.replicas=2", "dp.v_correction=true")
+    cfg, host, _, x, y = _last_stage_host(tiny_cfg, cache_dir, *vc)
+    real_step = host.worker.optimizer.step
+    calls = []
+
+    def failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory (simulated)")
+        return real_step(*args, **kwargs)
+
+    host.worker.optimizer.step = failing_once
+
+    async def go():
+        for step in (0, 1):
+            for m in (0, 1):
+                await host.process(driver="d", step=step, mb=m, attempt=1, inputs=x, labels=y)
+            assert await host.wait_idle(30.0)
+
+    asyncio.run(go())
+    assert len(calls) == 2 and host.opt_step == 1  # the first step failed, the second was taken
+    assert host.worker.noise.ema_var  # and corrected v
+    assert "optimizer step 0 failed" in caplog.text

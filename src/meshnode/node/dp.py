@@ -94,6 +94,31 @@ class DPLogEntry:
         return {**{f"p/{n}": t for n, t in self.p.items()}, **{f"q/{n}": t for n, t in self.q.items()}}
 
 
+@torch.no_grad()
+def fingerprint(start: dict[str, torch.Tensor], names: list[str]) -> list[float]:
+    """Per tensor of ``names``: the sum of 64 evenly spaced entries of ``start``, and of their absolute values. Equal
+    starts give equal sums on any hardware to ~1e-7; one outer step apart (a sync one replica made alone: a
+    low-rank update of ~1e-4 per entry per inner step) they differ by ~1e-3. One host sync."""
+    sums = []
+    for n in names:
+        flat = start[n].reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 64)][:64].double()
+        sums += [sample.sum(), sample.abs().sum()]
+    return [float(x) for x in torch.stack(sums).cpu().tolist()] if sums else []
+
+
+def same_fingerprint(fp: list, ref: list[float]) -> bool:
+    """``fp`` matches ``ref`` within 1e-5 of each tensor's sampled absolute sum (entries that are not floats:
+    no match)."""
+    if len(fp) != len(ref):
+        return False
+    for i in range(0, len(ref), 2):
+        tol = 1e-5 * max(ref[i + 1], 1e-12)
+        if not all(isinstance(fp[j], float) and abs(fp[j] - ref[j]) <= tol for j in (i, i + 1)):
+            return False
+    return True
+
+
 class SwarmDP:
     def __init__(self, host, dht, run_id: str, counter, partners: Callable[[], int] = lambda: 1,
                  matchmaking_time: float | None = None, round_timeout: float | None = None,
@@ -206,11 +231,12 @@ class SwarmDP:
         mine = await host.run(self._fingerprint, f)
         self._gathered = {}
         p_avg, p_group = await self._average(p, ("p", f), fingerprint=mine)
-        leader = self._start_leader(mine, p_group)
-        if leader is not None:  # the group's starts differ: this sync's average means nothing
-            if leader == self.me:
-                why = "the group's start weights differ; the others take this peer's"
-            elif await self._realign(f, leader):
+        found = self._start_leader(mine, p_group)
+        if found is not None:  # the group's starts differ: this sync's average means nothing
+            leader, agree = found
+            if agree:
+                why = f"the group's start weights differ; this peer's is the one taken (that of {leader[-8:]})"
+            elif await self._realign(f, leader, self._gathered[leader]):
                 why = f"the group's start weights differ; took {leader[-8:]}'s"
             else:
                 why = f"the group's start weights differ; {leader[-8:]}'s could not be taken"
@@ -238,40 +264,35 @@ class SwarmDP:
     def me(self) -> str:
         return str(self.averager.peer_id)
 
-    @torch.no_grad()
     def _fingerprint(self, f: int) -> list[float]:
-        """Per tensor of fragment ``f``: the sum of 64 evenly spaced entries of its start weights, and of their
-        absolute values. Equal starts give equal sums on any hardware to ~1e-7; one outer step apart (a sync
-        one replica made alone: a low-rank update of ~1e-4 per entry per inner step) they differ by ~1e-3."""
-        sums = []
-        for n in self.frags[f]:
-            flat = self.outer.start[n].reshape(-1)
-            sample = flat[:: max(1, flat.numel() // 64)][:64].double()
-            sums += [sample.sum(), sample.abs().sum()]
-        return [float(x) for x in torch.stack(sums).cpu().tolist()] if sums else []  # one host sync
+        return fingerprint(self.outer.start, self.frags[f])
 
-    def _start_leader(self, mine: list[float], group: frozenset[str]) -> str | None:
-        """None when every member of the P round gathered this peer's fingerprint (to 1e-5 of the entries' size);
-        otherwise the member whose start the group takes: the smallest peer id (a member that sent none, an
-        older peer, is not compared)."""
+    def _start_leader(self, mine: list[float], group: frozenset[str]) -> tuple[str, bool] | None:
+        """None when every member of the P round gathered this peer's fingerprint (a member that sent none, an
+        older peer, is not compared). Otherwise ``(leader, agree)``: the start the group takes is the one most
+        members hold (a tie goes to the one held by the smallest peer id), the leader the smallest peer id
+        holding it; ``agree`` when this peer holds it too (it takes nothing)."""
         if len(group) < 2 or not self._gathered:
             return None
-        theirs = {p: fp for p, fp in self._gathered.items() if isinstance(fp, list) and len(fp) == len(mine)}
-
-        def same(fp: list) -> bool:
-            for i in range(0, len(mine), 2):
-                tol = 1e-5 * max(mine[i + 1], 1e-12)  # of the sampled entries' absolute sum
-                if not all(isinstance(fp[j], float) and abs(fp[j] - mine[j]) <= tol for j in (i, i + 1)):
-                    return False
-            return True
-
-        if all(same(fp) for fp in theirs.values()):
+        fps = {p: fp for p, fp in self._gathered.items() if isinstance(fp, list) and len(fp) == len(mine)}
+        fps[self.me] = mine
+        if all(same_fingerprint(fp, mine) for fp in fps.values()):
             return None
-        return min(theirs)
+        clusters: list[list[str]] = []
+        for peer in sorted(fps):
+            for c in clusters:
+                if same_fingerprint(fps[peer], fps[c[0]]):
+                    c.append(peer)
+                    break
+            else:
+                clusters.append([peer])
+        best = max(clusters, key=len)  # the first of the largest: the one with the smallest peer id
+        return best[0], self.me in best
 
-    async def _realign(self, f: int, leader: str) -> bool:
+    async def _realign(self, f: int, leader: str, expected: list[float]) -> bool:
         """Take fragment ``f``'s start weights and outer velocity from ``leader`` (this peer's current weights stay:
-        the next pseudo-gradient, from the common start, holds the difference, and the next average closes it)."""
+        the next pseudo-gradient, from the common start, holds the difference, and the next average closes it).
+        The start taken must have the fingerprint the leader gathered."""
         if self.fetch_outer is None:
             logger.warning("DP fragment %d: start weights differ from %s's and this peer cannot fetch them", f,
                            leader[-8:])
@@ -283,11 +304,18 @@ class SwarmDP:
             return False
         names = self.frags[f]
         got = {n: (state.get(f"start/{n}"), state.get(f"velocity/{n}")) for n in names}
-        bad = [n for n, (st, _) in got.items() if st is None or st.shape != self.outer.start[n].shape
-               or not bool(torch.isfinite(st).all())]
+
+        def fits(t: torch.Tensor | None, n: str) -> bool:
+            return t is not None and t.shape == self.params[n].shape and bool(torch.isfinite(t).all())
+
+        bad = [n for n, (st, vel) in got.items() if not fits(st, n) or (vel is not None and not fits(vel, n))]
         if bad:
             logger.warning("DP fragment %d: %s's outer state lacks or mangles %d tensors (%s); not taken", f,
                            leader[-8:], len(bad), bad[0])
+            return False
+        if not same_fingerprint(fingerprint({n: st for n, (st, _) in got.items()}, names), expected):
+            logger.warning("DP fragment %d: the start fetched from %s is not the one it gathered; not taken", f,
+                           leader[-8:])
             return False
         await self.host.run(self._take_start, got)
         self.realigned += 1
@@ -300,10 +328,14 @@ class SwarmDP:
 
     @torch.no_grad()
     def _take_start(self, got: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        """The leader's start and velocity, exactly: a tensor without velocity there (no outer step yet) has
+        none here either, so both peers' next outer steps are the same."""
         for n, (st, vel) in got.items():
             self.outer.start[n].copy_(st)
-            if vel is not None and n in self.outer.velocity and vel.shape == self.outer.velocity[n].shape:
-                self.outer.velocity[n].copy_(vel)
+            if vel is None:
+                self.outer.velocity.pop(n, None)
+            else:
+                self.outer.velocity[n] = vel.to(self.outer.start[n].device, torch.float32, copy=True)
 
     def _abandon(self, f: int, why: str) -> None:
         self.psgd.abandon()

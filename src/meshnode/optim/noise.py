@@ -115,8 +115,9 @@ class MicrobatchNoise:
         step used. Tensors without an estimate this step (none with M < 2) keep AdamW's ``v``, and their EMAs
         lapse (they restart from AdamW's ``v`` when estimates come back). Returns how many were corrected.
         The tracker's own buffers serve as scratch: :meth:`variance`'s tensors are spent afterwards."""
-        excess = 1.0 - 1.0 / self.replicas
-        floor = 1.0 / (2 * self.replicas)
+        x = self.replicas  # read once: the swarm's DP sets it from the event loop
+        excess = 1.0 - 1.0 / x
+        floor = 1.0 / (2 * x)
         done = 0
         for group in optimizer.param_groups:
             beta2 = group["betas"][1]

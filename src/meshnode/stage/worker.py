@@ -206,14 +206,19 @@ class StageWorker:
         grad_norm = float("nan")
         variance = self.noise.variance() if self.noise is not None else {}
         clip = self.cfg.train.grad_clip
-        if params and clip > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step(step)
-        if self.noise is not None:
-            scale = min(1.0, clip / (grad_norm + 1e-6)) if params and clip > 0 else 1.0  # clip_grad_norm_'s factor
-            self.noise.after_step(self.optimizer, variance, scale)
+        try:
+            if params and clip > 0:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step(step)
+            if self.noise is not None:
+                scale = min(1.0, clip / (grad_norm + 1e-6)) if params and clip > 0 else 1.0  # clip_grad_norm_'s
+                self.noise.after_step(self.optimizer, variance, scale)
+        except BaseException:
+            if self.noise is not None:  # the next microbatches start a fresh estimate (their gradients add to these)
+                self.noise.reset()
+            raise
         self.zero_grad()
         stats = {
             "loss": self.step_stats.loss_sum / max(1, self.step_stats.microbatches),
