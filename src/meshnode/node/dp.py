@@ -319,10 +319,7 @@ class SwarmDP:
             return False
         await self.host.run(self._take_start, got)
         self.realigned += 1
-        # the DP log's entries no longer lead to this start: followers reload the outer state
-        self.log.clear()
-        self.log_base = "loaded"
-        self.log_epoch = secrets.token_hex(8)
+        self._restart_log()
         logger.warning("DP fragment %d: start weights differed from the group's; took %s's", f, leader[-8:])
         return True
 
@@ -458,7 +455,12 @@ class SwarmDP:
         self.outer.load_state_dict(state["outer"])
         self.psgd.load_state_dict(state["psgd"])
         self.syncs = int(state["syncs"])
-        # the start weights came from elsewhere: a new log that followers cannot reach from the pretrained weights
+        self._restart_log()
+
+    def _restart_log(self) -> None:
+        """The start weights came from elsewhere (a checkpoint, a peer's state, a partner's outer state): the log's
+        entries no longer lead to them, so a new log that followers cannot reach from the pretrained weights (they
+        reload the outer state)."""
         self.log.clear()
         self.log_base = "loaded"
         self.log_epoch = secrets.token_hex(8)
