@@ -627,7 +627,8 @@ def test_replicas_whose_starts_drifted_apart_take_the_leaders():
         served = {"start/w": leader_start}  # the leader made no outer step yet: no velocity
         fetched = []
 
-        async def fetch_outer(peer):
+        async def fetch_outer(peer, names):
+            assert names == ["w"]  # the fragment's tensors only
             fetched.append(peer)
             return {k: t.clone() for k, t in served.items()}
 
@@ -680,6 +681,49 @@ def test_replicas_whose_starts_drifted_apart_take_the_leaders():
     assert dp._start_leader(mine, trio) == ("b", True)  # two hold mine: 0-first takes b's, c takes nothing
     dp.averager = SimpleNamespace(peer_id="0-first")
     assert dp._start_leader(other, trio) == ("b", False)
+
+
+def test_a_partner_serves_one_fragments_outer_state_while_it_steps(tiny_cfg, cache_dir):
+    """What a replica whose start drifted fetches: only the fragment's start and velocity, served at once even
+    while the partner steps (in the blocking schedule it may be waiting in its next fragment's DP round, which
+    would hold the caller until that round timed out). The whole outer state (the anchor's) still waits for the
+    step to end. Bad requests are refused."""
+    from meshnode.protocol.messages import WireError
+
+    cfg, host, mod, _, _ = _last_stage_host(tiny_cfg, cache_dir)
+    params = dict(mod.named_parameters())
+    outer = OuterNesterov(params, lr=1.0, momentum=0.9)
+    names = sorted(params)[:2]
+    outer.velocity[names[0]] = torch.full_like(params[names[0]], 0.25)
+    host.dp = SimpleNamespace(outer=outer, log_seq=0, log_epoch="e", syncs=0)
+
+    async def collect(request):
+        return [c async for c in host.weights_stream(request)]
+
+    async def scenario():
+        async with host._cond:
+            host._stepping = True
+        got = weights_from_chunks(await asyncio.wait_for(collect({"run": "run", "what": "outer", "names": names}),
+                                                         timeout=30))
+        assert set(got) == {f"start/{names[0]}", f"start/{names[1]}", f"velocity/{names[0]}"}
+        assert torch.equal(got[f"start/{names[1]}"], params[names[1]].detach().float())
+        assert torch.equal(got[f"velocity/{names[0]}"], outer.velocity[names[0]])
+        whole = asyncio.create_task(collect({"run": "run", "what": "outer"}))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not whole.done()  # the full state waits for the step
+        async with host._cond:
+            host._stepping = False
+            host._cond.notify_all()
+        full = weights_from_chunks(await asyncio.wait_for(whole, timeout=30))
+        assert len(full) == len(params) + 1
+        for bad in (["no.such.weight"], [], names[0], [names[0], 3], [names[0]] * (len(params) + 1)):
+            with pytest.raises(WireError, match="names"):
+                await collect({"run": "run", "what": "outer", "names": bad})
+        with pytest.raises(WireError, match="names only"):
+            await collect({"run": "run", "names": names})
+
+    asyncio.run(scenario())
 
 
 def test_a_failed_step_does_not_stop_the_correction_for_good(tiny_cfg, cache_dir, caplog):

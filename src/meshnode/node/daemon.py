@@ -289,17 +289,19 @@ class SwarmNode:
         return max(self.driver_step if self.role == "driver" else 0, host.driver_step if host else 0,
                    driver_step(self.swarm.peers) if self.swarm else 0)
 
-    async def _fetch_outer(self, peer_id: str) -> dict[str, torch.Tensor]:
-        """A stage partner's DP outer state (``start/<name>``, ``velocity/<name>``, float32): what this peer takes
-        when their start weights have drifted apart (:meth:`.dp.SwarmDP._realign`)."""
+    async def _fetch_outer(self, peer_id: str, names: list[str]) -> dict[str, torch.Tensor]:
+        """A stage partner's DP outer state of the tensors ``names`` (``start/<name>``, ``velocity/<name>``,
+        float32): what this peer takes for a fragment whose start weights have drifted apart
+        (:meth:`.dp.SwarmDP._realign`)."""
         from hivemind.p2p import PeerID
 
         limits = self.host.limits
-        most = 2 * sum(p.numel() * 4 for p in self.host.worker.module.parameters())  # start + velocity, float32
+        params = dict(self.host.worker.module.named_parameters())
+        most = 2 * sum(params[n].numel() * 4 for n in names)  # start + velocity, float32
         chunks = await collect_stream(
             self.swarm.p2p, PeerID.from_base58(peer_id), f"{self.run_id}.rpc_get_weights",
-            {"run": self.run_id, "what": "outer"}, max_bytes=limits.max_message_bytes, timeout=limits.rpc_timeout,
-            max_total=most, size=pieces_bytes,
+            {"run": self.run_id, "what": "outer", "names": list(names)}, max_bytes=limits.max_message_bytes,
+            timeout=limits.rpc_timeout, max_total=most, size=pieces_bytes,
         )
         state = weights_from_chunks(chunks)
         self.counter.add("dp", sum(t.numel() * t.element_size() for t in state.values()))

@@ -123,7 +123,7 @@ class SwarmDP:
     def __init__(self, host, dht, run_id: str, counter, partners: Callable[[], int] = lambda: 1,
                  matchmaking_time: float | None = None, round_timeout: float | None = None,
                  clock: Callable[[], int] | None = None,
-                 fetch_outer: Callable[[str], Awaitable[dict[str, torch.Tensor]]] | None = None):
+                 fetch_outer: Callable[[str, list[str]], Awaitable[dict[str, torch.Tensor]]] | None = None):
         from hivemind.averaging import DecentralizedAverager
 
         cfg = host.cfg.dp
@@ -149,7 +149,7 @@ class SwarmDP:
         self.ready: list[tuple[int, dict, dict, tuple]] = []  # (fragment, averaged update, weight snapshot, phases)
         self.skipped = 0
         self.abandoned = 0  # syncs that found no group although partners exist (nothing applied)
-        self.fetch_outer = fetch_outer  # peer id -> its outer state (start/<name>, velocity/<name>), float32
+        self.fetch_outer = fetch_outer  # (peer id, names) -> its outer state of those (start/<n>, velocity/<n>), f32
         self.realigned = 0  # fragments whose start this peer took from a partner (the starts had drifted apart)
         self._gathered: dict[str, Any] = {}  # peer id -> what it gathered in the last round (real averager only)
         self._round_lock = asyncio.Lock()
@@ -297,12 +297,12 @@ class SwarmDP:
             logger.warning("DP fragment %d: start weights differ from %s's and this peer cannot fetch them", f,
                            leader[-8:])
             return False
+        names = self.frags[f]
         try:
-            state = await self.fetch_outer(leader)
+            state = await self.fetch_outer(leader, names)
         except Exception as exc:
             logger.warning("DP fragment %d: could not take %s's start weights: %r", f, leader[-8:], exc)
             return False
-        names = self.frags[f]
         got = {n: (state.get(f"start/{n}"), state.get(f"velocity/{n}")) for n in names}
 
         def fits(t: torch.Tensor | None, n: str) -> bool:

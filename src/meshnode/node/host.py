@@ -391,22 +391,41 @@ class StageHost:
     def _weights_snapshot(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.worker.module.state_dict().items()}
 
-    def _outer_snapshot(self) -> dict[str, torch.Tensor]:
+    def _outer_snapshot(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         outer = self.dp.outer
-        return {**{f"start/{n}": t.clone() for n, t in outer.start.items()},
-                **{f"velocity/{n}": t.clone() for n, t in outer.velocity.items()}}
+        keep = set(outer.start) if names is None else set(names)
+        return {**{f"start/{n}": t.clone() for n, t in outer.start.items() if n in keep},
+                **{f"velocity/{n}": t.clone() for n, t in outer.velocity.items() if n in keep}}
 
     async def weights_stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """The stage's current weights as chunks of ``{name: [dtype, shape, bytes]}`` (float32, or bf16 on request).
 
         ``what = "outer"``: the DP outer state instead (``start/<name>``, ``velocity/<name>``), where a follower
         of the DP log (:class:`~.dp.DPFollower`) starts from; ``dp_seq`` and ``dp_epoch`` say which log entry
-        it corresponds to."""
+        it corresponds to.
+
+        ``names`` (with ``what = "outer"``): only those tensors' start and velocity, what a stage partner takes
+        when its start weights drifted from this peer's (:meth:`~.dp.SwarmDP._realign`). Served at once, also
+        while this peer steps: the outer state changes only on the host's thread, where the copy is made, so
+        each tensor is whole; a partner in the middle of its own DP sync (blocking schedule) would otherwise keep
+        the caller waiting until its rounds time out. No ``dp_seq``: the copy need not match a log entry."""
         if request.get("run") != self.run_id:
             raise WireError(f"weights request for run {request.get('run')!r}")
         outer = request.get("what") == "outer"
         if outer and self.dp is None:
             raise WireError("outer state requested from a peer without DP")
+        names = request.get("names")
+        if names is not None:
+            if not outer:
+                raise WireError("weights request: names only with what = outer")
+            known = self.dp.outer.start
+            if (not isinstance(names, list) or not names or len(names) > len(known)
+                    or not all(isinstance(n, str) and n in known for n in names)):
+                raise WireError("outer state request: names must be a non-empty list of this stage's parameters")
+            weights = await self.run(self._outer_snapshot, names)
+            for chunk in tensor_chunks(weights, half=request.get("dtype") == "bfloat16"):
+                yield {**chunk, "opt_step": self.opt_step}
+            return
         async with self._cond:  # between steps: a consistent snapshot
             await self._cond.wait_for(lambda: not self._stepping)
             weights = await self.run(self._outer_snapshot if outer else self._weights_snapshot)
