@@ -39,6 +39,59 @@ def test_rebalance_moves_one_peer_of_a_crowded_stage():
     assert should_rebalance(snap + [peer("d", 2)], 3, "b") is None
 
 
+def test_a_peer_moves_only_after_the_stage_stayed_empty_and_a_full_read_agrees(monkeypatch):
+    """The daemon's side of rebalancing: the stage ``should_rebalance`` names must stay empty for
+    ``rebalance_after`` seconds (a peer that comes back in time resets the wait), and a full read of the records
+    must still show it empty (a first-holder read can lack a peer that is there) before this peer leaves."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from meshnode.node import daemon as daemon_mod
+
+    clock = [100.0]
+    monkeypatch.setattr(daemon_mod.time, "monotonic", lambda: clock[0])
+    crowded = [peer("a", 0, "driver"), peer("b", 1), peer("c", 1)]
+    served = crowded + [peer("d", 2)]
+    full_reads = []
+
+    async def refresh(full=None):
+        full_reads.append(full)
+        return full_view[0]
+
+    node = daemon_mod.SwarmNode.__new__(daemon_mod.SwarmNode)
+    node.opts = SimpleNamespace(rebalance_after=5.0)
+    node.swarm = SimpleNamespace(peer_id="b", refresh=refresh)
+    node.num_stages, node.stage, node.move_to, node._starved = 3, 1, None, None
+    full_view = [served]
+
+    async def scenario():
+        node.leaving = asyncio.Event()
+        await node._check_rebalance(crowded)  # stage 2 is empty: the wait starts
+        clock[0] += 4.0
+        await node._check_rebalance(crowded)
+        assert node.move_to is None and not full_reads
+        await node._check_rebalance(served)  # d came back in time: the wait is over
+        clock[0] += 2.0
+        await node._check_rebalance(crowded)  # empty again: a new wait
+        assert node.move_to is None and not full_reads
+        clock[0] += 5.0
+        await node._check_rebalance(crowded)  # empty for 5 s, but the full read still sees d: stay
+        assert full_reads == [True] and node.move_to is None and not node.leaving.is_set()
+        full_view[0] = crowded
+        await node._check_rebalance(crowded)
+        clock[0] += 5.0
+        await node._check_rebalance(crowded)
+        assert full_reads == [True, True] and node.move_to == 2 and node.leaving.is_set()
+        node.swarm.peer_id, node.move_to = "c", None  # only the smallest peer id of the crowded stage moves
+        node.leaving.clear()
+        for _ in range(3):
+            await node._check_rebalance(crowded)
+            clock[0] += 10.0
+        assert node.move_to is None
+
+    asyncio.run(scenario())
+
+
 def test_drivers_read_different_shards():
     """Every demo swarm with two drivers used to give both shard 0 (each ranked itself among the drivers it had
     seen: itself only): its two DP replicas trained on the same batches. Now a driver takes a shard no other

@@ -460,3 +460,35 @@ async def _wait_log(path: Path, needle: str, timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{needle!r} not in {path}")
         await asyncio.sleep(0.3)
+
+
+def test_a_peer_moves_into_a_stage_left_without_peers(swarm_factory, tmp_path):
+    """Rebalancing: stage 2's only peer dies (SIGKILL: its record stays until it expires); of stage 1's two peers,
+    both allowed to move, the one ``claim.should_rebalance`` names moves to stage 2 once the stage has been
+    empty for ``--rebalance-after`` seconds, in the same process, and the pipeline trains again. While every
+    stage was served nobody moved."""
+    steps = 20000  # far more than the test runs
+    sw = swarm_factory(THREE + [f"train.steps={steps}", "train.warmup_steps=5"])
+    metrics = tmp_path / "rebalance.jsonl"
+    sw.start("driver", "--stage", "0", "--metrics-out", str(metrics))  # first: stage 0 is never empty
+    victim = sw.start("s2", "--stage", "2")
+    movers = [sw.start(name, "--stage", "1", "--rebalance-after", "3") for name in ("s1a", "s1b")]
+    wait_for(lambda: len(sw.metrics(metrics)) >= 10, 120, "training to start")
+    assert not any("rebalance" in m.log.read_text() for m in movers)
+    victim.kill()
+    killed_at = len(sw.metrics(metrics))
+
+    def moved():
+        return [m for m in movers if "moving there from stage 1" in m.log.read_text()]
+
+    mover = wait_for(moved, 120, "a stage-1 peer to move to stage 2")
+    assert len(mover) == 1, [tail(m.log) for m in movers]
+    wait_for(lambda: len(sw.metrics(metrics)) >= killed_at + 10, 180, "training to go on through the moved peer")
+    log = mover[0].log.read_text()
+    assert "of stage 2" in log and "starting from the pretrained weights" in log, tail(mover[0].log)
+    stayer = next(m for m in movers if m is not mover[0])
+    assert "moving there" not in stayer.log.read_text()
+    by_stage = {s["stage"]: s for s in sw.status()["stages"]}
+    assert by_stage[2]["fast_peers"] == [mover[0].ready()["peer_id"]], by_stage
+    assert by_stage[1]["fast_peers"] == [stayer.ready()["peer_id"]], by_stage
+    assert all(m.alive() for m in movers)

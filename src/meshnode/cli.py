@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 from contextlib import contextmanager
@@ -209,6 +210,22 @@ def swarm_errors():
         raise typer.Exit(1) from None
 
 
+DEFAULT_REBALANCE_AFTER = 30.0
+
+
+def rebalance_delay(after: float | None, never: bool, *, stage_fixed: bool, role: str) -> float | None:
+    """``meshnode join``'s rebalancing delay (None: never move): ``--rebalance-after`` when given; else 30 s for a fast
+    peer whose stage was chosen for it; never with ``--no-rebalance``, for a driver or an anchor, or for a fixed
+    ``--stage`` without ``--rebalance-after``."""
+    if after is not None and not (math.isfinite(after) and after >= 0):
+        raise ConfigError(f"--rebalance-after: {after} is not a number of seconds >= 0")
+    if never or role != "fast":
+        return None
+    if after is None and not stage_fixed:
+        return DEFAULT_REBALANCE_AFTER
+    return after
+
+
 @app.command()
 def join(
     config: ConfigOpt,
@@ -231,6 +248,13 @@ def join(
     ready_file: Annotated[Path | None, typer.Option("--ready-file", help="Written once the peer serves.")] = None,
     threads: Annotated[int, typer.Option("--threads", help="torch threads of this peer.")] = 1,
     announce_period: Annotated[float, typer.Option("--announce-period", help="Seconds between announcements.")] = 3.0,
+    rebalance_after: Annotated[
+        float | None,
+        typer.Option("--rebalance-after", help="Move to a stage left without fast peers for this many seconds, when "
+                     "this peer's stage has others (default: 30 with --stage auto; a fixed --stage only moves "
+                     "when this is given)."),
+    ] = None,
+    no_rebalance: Annotated[bool, typer.Option("--no-rebalance", help="Never move to another stage.")] = False,
     set_: SetOpt = None,
     cache_dir: CacheOpt = None,
 ) -> None:
@@ -245,6 +269,7 @@ def join(
             raise ConfigError(f"--stage: {stage!r} is not a stage number or auto")
         if stage != "auto" and int(stage) >= cfg.model.stages:
             raise ConfigError(f"--stage: {stage} but the run has stages 0..{cfg.model.stages - 1}")
+        rebalance_after = rebalance_delay(rebalance_after, no_rebalance, stage_fixed=stage != "auto", role=role)
         if cfg.dp.average_moments:
             raise ConfigError("dp.average_moments is an in-process mesh experiment; the swarm's DP averages "
                               "weights only")
@@ -255,6 +280,7 @@ def join(
             stage=None if stage == "auto" else int(stage), role=role, device=device, identity=identity,
             checkpoint_dir=checkpoint_dir, cache_dir=cache_dir_from(cache_dir), metrics_out=metrics_out,
             trace_out=trace_out, ready_file=ready_file, threads=threads, announce_period=announce_period,
+            rebalance_after=rebalance_after,
         )
         run_join(cfg, opts)
 

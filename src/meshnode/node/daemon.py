@@ -14,7 +14,12 @@ Life of a peer (docs/swarm.md):
 5. fast peers poll ``{run}_prior_{stage}`` for anchor priors (:mod:`.priors`) and run DP rounds
    with the other peers of their stage (:mod:`.dp`);
 6. on SIGINT / SIGTERM: announce ``offline``, stop taking new steps, let in-flight chains finish
-   (bounded), save a checkpoint, stop the DHT and its daemon.
+   (bounded), save a checkpoint, stop the DHT and its daemon;
+7. rebalancing (``--rebalance-after``, on by default for a peer whose stage was chosen for it): when a
+   stage has had no fast peer for that long while this peer's stage has two or more and this peer is
+   the one :func:`.claim.should_rebalance` names, it leaves its stage as in 6 (no checkpoint) and joins
+   the starved one as in 2-4, in the same process: a stage whose last peer died no longer stalls the
+   pipeline until somebody new joins.
 
 The anchor role is :mod:`.anchor`.
 """
@@ -40,7 +45,7 @@ from ..protocol import keys
 from ..protocol.limits import Limits
 from ..protocol.records import PeerRecord
 from ..protocol.servicer import RPCServicer, StageServicer, collect_stream, stream_rpc
-from .claim import choose_shard, choose_stage
+from .claim import choose_shard, choose_stage, should_rebalance
 from .host import StageHost, pieces_bytes, weights_from_chunks
 from .status import driver_step, swarm_health
 from .swarm import ChainError, SwarmClient, SwarmError, start_dht
@@ -70,6 +75,9 @@ class JoinOptions:
     prior_period: float = 2.0
     threads: int = 1
     shutdown_grace: float = 30.0
+    # move to a stage that has had no fast peer for this many seconds (when claim.should_rebalance names this
+    # peer); None: never (the CLI's default: 30 s for a peer whose stage was chosen for it, never for --stage N)
+    rebalance_after: float | None = None
 
 
 class SwarmNode:
@@ -82,12 +90,17 @@ class SwarmNode:
         self.num_stages = cfg.model.stages
         self.identity = keys.load_or_create_identity(opts.identity)
         self.stopping = asyncio.Event()
+        self.leaving = asyncio.Event()  # leave the current stage: stopping, or moving to another (rebalance)
+        self.move_to: int | None = None
+        self._starved: tuple[int, float] | None = None  # (the stage should_rebalance names, since when)
+        self.moves = 0
         self.counter = ByteCounter()
         self.swarm: SwarmClient | None = None
         self.host: StageHost | None = None
         self.servicer: RPCServicer | None = None
         self.record: PeerRecord | None = None
-        self.tasks: list[asyncio.Task] = []
+        self.tasks: list[asyncio.Task] = []  # the peer's (metrics)
+        self.stage_tasks: list[asyncio.Task] = []  # the current stage's (announce, refresh, priors)
         self.stage = -1
         self.role = opts.role
         self.driver_step = 0
@@ -136,18 +149,12 @@ class SwarmNode:
     def _on_signal(self, sig: int) -> None:
         logger.info("received %s: shutting down", signal.Signals(sig).name)
         self.stopping.set()
+        self.leaving.set()
 
     async def _cleanup(self) -> None:
-        for t in self.tasks:
-            t.cancel()
-        for t in self.tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        if self.host is not None and self.host.dp is not None:
-            self.host.dp.shutdown()
+        await _cancel(self.tasks)
+        await self._leave_stage()
         if self.swarm is not None:
-            if self.servicer is not None and self.swarm.p2p is not None:
-                await self.servicer.remove_p2p_handlers(self.swarm.p2p, self.run_id)
             await self.swarm.shutdown()
         for f in (self.metrics, self.trace_file):
             if f is not None:
@@ -155,12 +162,15 @@ class SwarmNode:
 
     # ---- a stage replica -------------------------------------------------------------------
 
-    def _pick_stage(self) -> tuple[int, Path | None]:
+    def _pick_stage(self, move_to: int | None = None) -> tuple[int, Path | None]:
         ckpt = None
         if self.opts.checkpoint_dir is not None:
-            found = sorted(Path(self.opts.checkpoint_dir).glob("stage*.pt"))
-            if found:
-                ckpt = found[0]
+            found = list(Path(self.opts.checkpoint_dir).glob("stage*.pt"))
+            if found:  # the newest: a peer that moved between stages saved the last one it served last
+                ckpt = max(found, key=lambda f: f.stat().st_mtime)
+        if move_to is not None:
+            own = CHECKPOINT_NAME.format(stage=move_to)
+            return move_to, ckpt if ckpt and ckpt.name == own else None
         if self.role == "driver":
             return 0, ckpt if ckpt and ckpt.name == CHECKPOINT_NAME.format(stage=0) else None
         if self.opts.stage is not None:
@@ -186,7 +196,7 @@ class SwarmNode:
         return StageHost(worker, self.cfg, limits, self.run_id, call_next=self._call_next, threads=self.opts.threads)
 
     async def _call_next(self, stage: int, build) -> dict[str, Any]:
-        return await self.swarm.call_stage(stage, build, stall_timeout=60.0, is_stopping=self.stopping.is_set)
+        return await self.swarm.call_stage(stage, build, stall_timeout=60.0, is_stopping=self.leaving.is_set)
 
     def _make_record(self, state: str) -> PeerRecord:
         host = self.host
@@ -254,6 +264,34 @@ class SwarmNode:
                 for line in health:
                     (logger.info if line.startswith("ok") else logger.warning)("swarm: %s", line)
                 last_health = health
+            if self.opts.rebalance_after is not None:
+                await self._check_rebalance(peers)
+
+    async def _check_rebalance(self, peers) -> None:
+        """Move once :func:`.claim.should_rebalance` has named the same stage for ``rebalance_after`` seconds; a full
+        read of the records first confirms it (a first-holder read can lack a peer that is there)."""
+        target = should_rebalance(peers, self.num_stages, self.swarm.peer_id)
+        now = time.monotonic()
+        if target is None:
+            if self._starved is not None:
+                logger.info("rebalance: stage %d is served again; staying in stage %d", self._starved[0], self.stage)
+            self._starved = None
+            return
+        if self._starved is None or self._starved[0] != target:
+            logger.warning("rebalance: stage %d has no fast peer; this peer moves there from stage %d unless one "
+                           "comes within %.0f s", target, self.stage, self.opts.rebalance_after)
+            self._starved = (target, now)
+            return
+        if now - self._starved[1] < self.opts.rebalance_after or self.leaving.is_set():
+            return
+        peers = await self.swarm.refresh(full=True)
+        if should_rebalance(peers, self.num_stages, self.swarm.peer_id) != target:
+            self._starved = None
+            return
+        logger.warning("rebalance: stage %d has had no fast peer for %.0f s; moving there from stage %d", target,
+                       now - self._starved[1], self.stage)
+        self.move_to = target
+        self.leaving.set()
 
     async def _load_initial_state(self, ckpt: Path | None) -> None:
         host = self.host
@@ -270,6 +308,12 @@ class SwarmNode:
                 self.driver_tokens = int(m.get("driver_tokens", 0))
             logger.info("resumed stage %d from %s at step %d", self.stage, ckpt, loaded_step)
         others = [p for p in self.swarm.candidates(self.stage) if p.step > max(loaded_step, 0)]
+        if loaded_step < 0 and not others:
+            # a stage this peer moved into had no peer left: whatever it had trained is gone (an anchor's stale
+            # copy is not taken), and training goes on from the pretrained weights rather than not at all
+            (logger.warning if self.moves else logger.info)(
+                "stage %d: no peer of it and no checkpoint to load from; starting from the pretrained weights",
+                self.stage)
         for peer in others[:3]:
             try:
                 blob = await self._fetch_state(peer.peer_id)
@@ -280,7 +324,9 @@ class SwarmNode:
             except Exception as exc:
                 logger.warning("could not load state from %s: %r", peer.peer_id[-8:], exc)
         if self.role == "driver":
-            steps = [p.driver_step or 0 for p in self.swarm.peers if p.role == "driver" and p.state == "online"]
+            # the newest driver step any record tells (a fast peer's is the newest it served): a peer that moved
+            # into a starved stage 0 goes on from there, not from step 0 (warmup again)
+            steps = [p.driver_step or 0 for p in self.swarm.peers if p.role in ("driver", "fast")]
             self.driver_step = max([self.driver_step, host.opt_step, *steps])
 
     def _dp_clock(self) -> int:
@@ -324,6 +370,33 @@ class SwarmNode:
 
     async def _run_stage(self) -> None:
         stage, ckpt = self._pick_stage()
+        while True:
+            await self._serve_stage(stage, ckpt)
+            if self.stopping.is_set() or self.move_to is None:
+                return
+            await self._leave_stage()
+            stage, ckpt = self._pick_stage(self.move_to)
+            self.move_to, self._starved = None, None
+            self.moves += 1
+            self.leaving.clear()
+            if self.stopping.is_set():  # a signal during the move
+                return
+
+    async def _leave_stage(self) -> None:
+        """Stop serving the current stage (after its graceful stop): its tasks, DP averager and RPC handlers."""
+        await _cancel(self.stage_tasks)
+        host, self.host = self.host, None
+        if host is not None and host.dp is not None:
+            host.dp.shutdown()
+        if self.servicer is not None and self.swarm is not None and self.swarm.p2p is not None:
+            with contextlib.suppress(Exception):
+                await self.servicer.remove_p2p_handlers(self.swarm.p2p, self.run_id)
+        self.servicer = None
+        self.shard = None
+        if host is not None:
+            host.executor.shutdown(wait=False)
+
+    async def _serve_stage(self, stage: int, ckpt: Path | None) -> None:
         self.stage = stage
         if stage == 0:
             self.role = "driver"
@@ -334,7 +407,8 @@ class SwarmNode:
         self.host = await asyncio.to_thread(self._build_host, stage)
         self.swarm.limits = self.host.limits
         if self.opts.trace_out is not None:
-            self.trace_file = open(self.opts.trace_out, "a", buffering=1)  # noqa: SIM115 (closed in _cleanup)
+            if self.trace_file is None:
+                self.trace_file = open(self.opts.trace_out, "a", buffering=1)  # noqa: SIM115 (closed in _cleanup)
             self.host.trace = self._write_trace
         if self.cfg.dp.enabled:
             from .dp import SwarmDP
@@ -347,17 +421,17 @@ class SwarmNode:
         self.servicer = StageServicer(self.host, self.host.limits.max_message_bytes)
         await self.servicer.add_p2p_handlers(self.swarm.p2p, self.run_id)
         await self.announce("online")
-        self.tasks.append(asyncio.create_task(self._announce_loop()))
-        self.tasks.append(asyncio.create_task(self._refresh_loop()))
+        self.stage_tasks.append(asyncio.create_task(self._announce_loop()))
+        self.stage_tasks.append(asyncio.create_task(self._refresh_loop()))
         if self.cfg.anchor.enabled:
             from .priors import PriorReader
 
             reader = PriorReader(self)
-            self.tasks.append(asyncio.create_task(reader.loop()))
+            self.stage_tasks.append(asyncio.create_task(reader.loop()))
         self._write_ready()
         driver = asyncio.create_task(self._drive()) if self.role == "driver" else None
-        await self.stopping.wait()
-        await self._graceful_stop(driver)
+        await self.leaving.wait()
+        await self._graceful_stop(driver, checkpoint=self.stopping.is_set())
 
     def _write_ready(self) -> None:
         if self.opts.ready_file is not None:
@@ -366,7 +440,7 @@ class SwarmNode:
                                        "maddrs": [str(m) for m in self.swarm.dht.get_visible_maddrs()]}))
             tmp.rename(self.opts.ready_file)
 
-    async def _graceful_stop(self, driver: asyncio.Task | None) -> None:
+    async def _graceful_stop(self, driver: asyncio.Task | None, checkpoint: bool = True) -> None:
         try:
             await self.announce("offline")
         except Exception as exc:
@@ -380,7 +454,7 @@ class SwarmNode:
                 logger.warning("driver stopped with %r", exc)
         if not await self.host.wait_idle(self.opts.shutdown_grace):
             logger.warning("in-flight microbatches did not finish within %.0fs", self.opts.shutdown_grace)
-        if self.opts.checkpoint_dir is not None:
+        if checkpoint and self.opts.checkpoint_dir is not None:
             await self.save_checkpoint(Path(self.opts.checkpoint_dir))
 
     async def save_checkpoint(self, directory: Path) -> Path:
@@ -413,7 +487,7 @@ class SwarmNode:
         # the cheap first-holder reads of the refresh loop may not show for a while after a join
         with contextlib.suppress(Exception):
             await self.swarm.refresh(full=True)
-        while self.driver_step < cfg.train.steps and not self.stopping.is_set():
+        while self.driver_step < cfg.train.steps and not self.leaving.is_set():
             step = self.driver_step
             # each driver reads its own shard: the one no other driver announces (re-checked every step, so two
             # drivers that started together and both took shard 0 part once they see each other's records)
@@ -432,7 +506,7 @@ class SwarmNode:
             pending = list(range(M))
             losses: dict[int, float] = {}
             stalled_since = None
-            while pending and not self.stopping.is_set():
+            while pending and not self.leaving.is_set():
                 results = await asyncio.gather(
                     *(self._microbatch(step, m, source.batch(step * M + m)) for m in pending), return_exceptions=True
                 )
@@ -474,6 +548,15 @@ class SwarmNode:
         except ChainError:
             raise
         return loss
+
+
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await t
+    tasks.clear()
 
 
 def _finite(x: float | None) -> float | None:
