@@ -458,6 +458,58 @@ def test_a_forward_waits_at_a_full_replica_then_is_told_busy_but_a_retry_is_answ
     assert host.opt_step == 1 and host.tokens == y.numel()
 
 
+def test_a_closed_replica_finishes_what_is_in_flight_and_turns_the_rest_away(tiny_cfg, cache_dir):
+    """Leaving (shutdown, or a move to another stage): ``close`` turns away the forwards waiting at the gate and
+    any later one ("busy": the caller goes to another replica), while the microbatch in flight finishes and a
+    retry of it is still answered. Before, ``wait_idle`` saw only what was in flight: a forward queued at the
+    gate was admitted after it returned, while the peer was being torn down."""
+    import asyncio
+    import threading
+
+    from meshnode.node.host import BusyError
+    from meshnode.protocol.messages import forward_request
+
+    cfg, host, mod, x, y = _last_stage_host(tiny_cfg, cache_dir, "train.microbatches=1")
+    host.busy_timeout = 30.0  # a queued forward would wait this long: close must release it at once
+    in_backward, release = threading.Event(), threading.Event()
+    backward_fn = host.worker.backward
+
+    def held_backward(mbid, grad):
+        in_backward.set()
+        assert release.wait(30.0)
+        return backward_fn(mbid, grad)
+
+    host.worker.backward = held_backward
+
+    def request(driver, attempt):
+        return forward_request(run="run", driver=driver, step=0, mb=0, attempt=attempt, boundary=0,
+                               mask_version=cfg.mask.version, payload=x, labels=y, vocab=host.limits.vocab)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        first = asyncio.create_task(host.forward(request("d", 1)))
+        assert await loop.run_in_executor(None, in_backward.wait, 30.0)
+        queued = asyncio.create_task(host.forward(request("e", 1)))  # the step's one place is taken: it waits
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not queued.done()
+        await host.close()
+        with pytest.raises(BusyError, match="leaving"):
+            await asyncio.wait_for(queued, 10.0)
+        with pytest.raises(BusyError, match="leaving"):
+            await host.forward(request("f", 1))
+        idle = asyncio.create_task(host.wait_idle(30.0))
+        release.set()
+        a = await first
+        assert await idle
+        again = await host.forward(request("d", 2))  # the reply was lost: the retry is answered, not refused
+        assert again["loss"] == a["loss"]
+        assert host.refused == 2
+
+    asyncio.run(go())
+    assert host.opt_step == 1 and host.tokens == y.numel()
+
+
 def test_a_cancelled_call_frees_its_place_and_its_graph(tiny_cfg, cache_dir):
     """A call cancelled (the driver stopping) while it waits to leave the step, or while its forward runs on the
     host's thread, gives back its place in the step and leaves no graph in flight: the replica still steps and

@@ -452,6 +452,7 @@ class SwarmNode:
                 driver.cancel()
             except Exception as exc:
                 logger.warning("driver stopped with %r", exc)
+        await self.host.close()
         if not await self.host.wait_idle(self.opts.shutdown_grace):
             logger.warning("in-flight microbatches did not finish within %.0fs", self.opts.shutdown_grace)
         if checkpoint and self.opts.checkpoint_dir is not None:

@@ -89,6 +89,7 @@ class StageHost:
         self._done = 0
         self._step_due = False
         self._stepping = False
+        self._closed = False  # leaving (shutdown or a move to another stage): no new microbatch is admitted
         # (driver, step, mb) -> the result of the attempt running now: a retry that arrives meanwhile (the caller's
         # stream was cut) waits for it instead of taking a second place in the step
         self._running: dict[tuple[str, int, int], asyncio.Future] = {}
@@ -179,16 +180,19 @@ class StageHost:
         caller is told "busy" (:class:`BusyError`) and goes to another replica. Waiting and taking the place
         happen under one lock, so a gate that opens for one place lets exactly one waiter in."""
         async with self._cond:
-            if not self._admits():
+            if not self._admits() and not self._closed:
                 if timeout is None:
-                    await self._cond.wait_for(self._admits)
+                    await self._cond.wait_for(lambda: self._admits() or self._closed)
                 else:
                     try:
-                        await asyncio.wait_for(self._cond.wait_for(self._admits), timeout)
+                        await asyncio.wait_for(self._cond.wait_for(lambda: self._admits() or self._closed), timeout)
                     except asyncio.TimeoutError:
                         self.refused += 1
                         raise BusyError("busy: this replica has its step's microbatches or is taking a step; "
                                         "try another peer") from None
+            if self._closed:
+                self.refused += 1
+                raise BusyError("busy: this replica is leaving its stage; try another peer")
             self._active += 1
 
     async def _leave(self, completed: bool) -> None:
@@ -233,8 +237,17 @@ class StageHost:
             except Exception as exc:  # a failed DP round must not stop the fast circuit
                 logger.warning("after-step hook failed at step %d: %r", self.opt_step, exc)
 
+    async def close(self) -> None:
+        """Admit no new microbatch (shutdown, or a move to another stage): callers waiting at the gate and later
+        ones are told "busy" and go to another replica; what is in flight finishes (:meth:`wait_idle`). A retry
+        of a microbatch this replica completed or is running is still answered (it takes no place)."""
+        async with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
     async def wait_idle(self, timeout: float) -> bool:
-        """Wait until nothing is in flight and no step is running (shutdown); False on timeout."""
+        """Wait until nothing is in flight and no step is running (shutdown; after :meth:`close`, nothing new
+        comes in meanwhile); False on timeout."""
         async def idle():
             async with self._cond:
                 await self._cond.wait_for(lambda: self._active == 0 and not self._stepping)
