@@ -385,6 +385,40 @@ def test_anchor_prior_servicer_refuses_bad_requests():
         asyncio.run(ask({"run": "run", "stage": 1, "anchor_step": 5}))
 
 
+def test_anchor_serves_its_copy_of_a_stage_only_after_a_cycle():
+    """``rpc_stage_weights``: the anchor's copy of a stage as its last cycle left it, with the stage's optimizer
+    step then, counted on the anchor axis; refused before a cycle and for bad requests."""
+    import asyncio
+
+    from meshnode.compression import ByteCounter
+    from meshnode.node.anchor import PriorServicer
+    from meshnode.node.host import pieces_bytes, weights_from_chunks
+
+    counter = ByteCounter()
+    svc = PriorServicer("run", 2, 1 << 20, counter)
+    held = {1: ({"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}, 17)}
+
+    async def weights_of(stage):
+        return held.get(stage)
+
+    async def ask(request):
+        return [f async for f in svc.rpc_stage_weights(request, None)]
+
+    with pytest.raises(ValueError, match="no anchor cycle"):
+        asyncio.run(ask({"run": "run", "stage": 1}))  # no weights_of yet: nothing held
+    svc.weights_of = weights_of
+    frames = asyncio.run(ask({"run": "run", "stage": 1}))
+    got = weights_from_chunks(frames)
+    assert set(got) == {"w", "b"} and torch.equal(got["w"], held[1][0]["w"]) and got["w"].dtype == torch.float32
+    assert {f["opt_step"] for f in frames} == {17}
+    assert counter.snapshot()["anchor"] == sum(pieces_bytes(f) for f in frames) == 9 * 4
+    for bad, needle in [({"run": "other", "stage": 1}, "run"), ({"run": "run", "stage": True}, "no stage"),
+                        ({"run": "run", "stage": 2}, "no stage"), ({"run": "run", "stage": "1"}, "no stage"),
+                        ({"run": "run", "stage": 0}, "no anchor cycle")]:
+        with pytest.raises(ValueError, match=needle):
+            asyncio.run(ask(bad))
+
+
 def test_routing_does_not_starve_a_newcomer():
     import random
 

@@ -778,6 +778,41 @@ def test_a_partner_serves_one_fragments_outer_state_while_it_steps(tiny_cfg, cac
     asyncio.run(scenario())
 
 
+def test_weights_from_an_anchor_are_checked_whole_and_restart_dp(tiny_cfg, cache_dir):
+    """What a peer that moves into an empty stage takes from the anchor: every tensor of the stage, of its shape
+    and finite, or nothing changes. Taken, they are DP's start weights (no velocity, no error feedback) and the
+    optimizer step goes on from the anchor's."""
+    cfg, host, mod, _, _ = _last_stage_host(tiny_cfg, cache_dir)
+    before = {k: v.clone() for k, v in mod.state_dict().items()}
+    good = {k: v.float() + 0.5 for k, v in before.items()}
+    name = next(k for k, v in before.items() if v.is_floating_point())
+    restarted = []
+    host.dp = SimpleNamespace(restart_from_weights=lambda: restarted.append(True))
+    bads = [
+        ({k: v for k, v in good.items() if k != name}, "missing"),
+        ({**good, "extra.weight": torch.zeros(2)}, "unknown"),
+        ({**good, name: good[name].reshape(-1)[:-1]}, "wrong shape"),
+        ({**good, name: torch.full_like(good[name], float("nan"))}, "non-finite"),
+        ({**good, name: good[name].long()}, "dtype"),
+    ]
+    for bad, needle in bads:
+        with pytest.raises(ValueError, match=needle):
+            host.load_weights(bad, 7)
+        assert all(torch.equal(v, before[k]) for k, v in mod.state_dict().items()) and host.opt_step == 0
+    assert not restarted
+    host.load_weights(good, 7)
+    assert all(torch.equal(v.float(), good[k]) for k, v in mod.state_dict().items())
+    assert host.opt_step == 7 and restarted == [True]
+
+    dp = _dp(dict(mod.named_parameters()), asyncio.Event(), [])
+    dp.host.cfg = cfg
+    dp.outer.velocity["x"] = torch.zeros(1)
+    dp.log, dp.log_base, dp.log_epoch = deque([1]), "pretrained", "e0"
+    dp.restart_from_weights()
+    assert not dp.outer.velocity and dp.log_base == "loaded" and dp.log_epoch != "e0"
+    assert all(torch.equal(dp.outer.start[n], p.detach().float()) for n, p in mod.named_parameters())
+
+
 def test_a_failed_step_does_not_stop_the_correction_for_good(tiny_cfg, cache_dir, caplog):
     """dp.v_correction: an optimizer step that raises (a CUDA out-of-memory, say) after the step's variance was
     taken must not leave the tracker expecting a reset that never comes: the next microbatches are served and

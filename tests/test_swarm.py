@@ -462,17 +462,28 @@ async def _wait_log(path: Path, needle: str, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.3)
 
 
-def test_a_peer_moves_into_a_stage_left_without_peers(swarm_factory, tmp_path):
+@pytest.mark.parametrize("with_anchor", [False, True], ids=["no_anchor", "anchor"])
+def test_a_peer_moves_into_a_stage_left_without_peers(swarm_factory, tmp_path, with_anchor):
     """Rebalancing: stage 2's only peer dies (SIGKILL: its record stays until it expires); of stage 1's two peers,
     both allowed to move, the one ``claim.should_rebalance`` names moves to stage 2 once the stage has been
     empty for ``--rebalance-after`` seconds, in the same process, and the pipeline trains again. While every
-    stage was served nobody moved."""
+    stage was served nobody moved. Without an anchor the mover starts the stage from the pretrained weights;
+    with one (its key allowed) from the anchor's copy, at the stage's step of the anchor's last cycle."""
     steps = 20000  # far more than the test runs
-    sw = swarm_factory(THREE + [f"train.steps={steps}", "train.warmup_steps=5"])
+    overrides = THREE + [f"train.steps={steps}", "train.warmup_steps=5"]
+    key_file = tmp_path / "anchor.key"
+    if with_anchor:
+        anchor_key = keys.public_key_string(keys.load_or_create_identity(key_file))
+        overrides += ["mask.ratio=0.9", "anchor.enabled=true", "anchor.period=5", "spectral.rank=4",
+                      f"anchor.allowed_keys=[{json.dumps(anchor_key)}]"]
+    sw = swarm_factory(overrides)
     metrics = tmp_path / "rebalance.jsonl"
     sw.start("driver", "--stage", "0", "--metrics-out", str(metrics))  # first: stage 0 is never empty
     victim = sw.start("s2", "--stage", "2")
     movers = [sw.start(name, "--stage", "1", "--rebalance-after", "3") for name in ("s1a", "s1b")]
+    if with_anchor:
+        anchor = sw.start("anchor", "--role", "anchor", "--identity", str(key_file))
+        wait_for(lambda: "anchor cycle 2:" in anchor.log.read_text(), 180, "two anchor cycles")
     wait_for(lambda: len(sw.metrics(metrics)) >= 10, 120, "training to start")
     assert not any("rebalance" in m.log.read_text() for m in movers)
     victim.kill()
@@ -485,7 +496,12 @@ def test_a_peer_moves_into_a_stage_left_without_peers(swarm_factory, tmp_path):
     assert len(mover) == 1, [tail(m.log) for m in movers]
     wait_for(lambda: len(sw.metrics(metrics)) >= killed_at + 10, 180, "training to go on through the moved peer")
     log = mover[0].log.read_text()
-    assert "of stage 2" in log and "starting from the pretrained weights" in log, tail(mover[0].log)
+    assert "of stage 2" in log, tail(mover[0].log)
+    log = log[log.index("of stage 2"):]  # what it did once in stage 2
+    if with_anchor:
+        assert "took the anchor" in log and "starting from the pretrained weights" not in log, tail(mover[0].log)
+    else:
+        assert "starting from the pretrained weights" in log, tail(mover[0].log)
     stayer = next(m for m in movers if m is not mover[0])
     assert "moving there" not in stayer.log.read_text()
     by_stage = {s["stage"]: s for s in sw.status()["stages"]}

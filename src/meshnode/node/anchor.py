@@ -22,6 +22,10 @@ driver steps (read from the peers' records) it runs a cycle:
 
 Anchors never take optimizer steps. The ``bias_correction`` mode is not published by the swarm
 anchor (filter modes only).
+
+The anchor also serves its copy of a stage's weights as of its last cycle (``rpc_stage_weights``, float32,
+with the stage's optimizer step then): a fast peer that moves into a stage left without peers starts from it
+instead of the pretrained weights (node/daemon.py), if the anchor's key is in ``anchor.allowed_keys``.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import torch
 from hivemind.p2p import PeerID
@@ -40,7 +45,7 @@ from ..protocol.messages import tensor_to_bytes
 from ..protocol.records import PeerRecord, cycle_digest, factors_digest, prior_value
 from ..protocol.servicer import RPCContext, RPCServicer, collect_stream
 from .dp import DPFollower, log_length
-from .host import pieces_bytes, weights_from_chunks
+from .host import pieces_bytes, tensor_chunks, weights_from_chunks
 from .priors import HEADER_NAME
 from .status import driver_step
 
@@ -77,6 +82,8 @@ class PriorServicer(RPCServicer):
 
     def __init__(self, run_id: str, num_stages: int, max_message_bytes: int, counter):
         super().__init__(max_message_bytes)
+        # stage -> (its weights as of the anchor's last cycle, that cycle's optimizer step of the stage), or None
+        self.weights_of: Callable[[int], Awaitable[tuple[dict[str, torch.Tensor], int] | None]] | None = None
         self.run_id = run_id
         self.num_stages = num_stages
         self.counter = counter
@@ -101,6 +108,23 @@ class PriorServicer(RPCServicer):
             yield {**value, "last": i == len(values) - 1}
 
 
+    async def rpc_stage_weights(self, request: dict, context: RPCContext):
+        """``{"run", "stage"}`` -> the anchor's copy of that stage's weights (float32 frames, each with the stage's
+        ``opt_step`` at the cycle that took them); refused before the anchor's first cycle."""
+        if request.get("run") != self.run_id:
+            raise ValueError("wrong run")
+        stage = request.get("stage")
+        if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage < self.num_stages:
+            raise ValueError(f"no stage {stage!r}")
+        held = await self.weights_of(stage) if self.weights_of is not None else None
+        if held is None:
+            raise ValueError(f"stage {stage}: no anchor cycle has taken its weights yet")
+        weights, opt_step = held
+        for chunk in tensor_chunks(weights):
+            self.counter.add("anchor", pieces_bytes(chunk))
+            yield {**chunk, "opt_step": opt_step}
+
+
 class AnchorRunner:
     def __init__(self, node):
         self.node = node
@@ -109,6 +133,8 @@ class AnchorRunner:
         self.prior_step: int | None = None
         self.next_at = self.cfg.anchor.period
         self.servicer: PriorServicer | None = None
+        self._weights_lock = asyncio.Lock()  # held while a cycle replaces the stages' weights
+        self.weights_step: dict[int, int] = {}  # stage -> its optimizer step when the last cycle took its weights
 
     def _build(self):
         from ..data import BatchSource, make_tokenizer, prepare_corpus
@@ -159,11 +185,11 @@ class AnchorRunner:
         await self._announce("joining")
         await asyncio.to_thread(self._build)
         node.swarm.limits = self.limits
-        if self.cfg.anchor.priors == "rpc":
-            self.servicer = PriorServicer(node.run_id, self.cfg.model.stages, self.limits.max_message_bytes,
-                                          node.counter)
-            await self.servicer.add_p2p_handlers(node.swarm.p2p, node.run_id)
-            node.servicer = self.servicer  # the daemon removes its handlers at shutdown
+        # rpc_prior (anchor.priors = "rpc"; with "dht" it holds nothing and refuses) and rpc_stage_weights
+        self.servicer = PriorServicer(node.run_id, self.cfg.model.stages, self.limits.max_message_bytes, node.counter)
+        self.servicer.weights_of = self.stage_weights
+        await self.servicer.add_p2p_handlers(node.swarm.p2p, node.run_id)
+        node.servicer = self.servicer  # the daemon removes its handlers at shutdown
         await self._announce("online")
         node._write_ready()
 
@@ -296,16 +322,29 @@ class AnchorRunner:
             out.append(fs)
         return out
 
+    async def stage_weights(self, stage: int) -> tuple[dict[str, torch.Tensor], int] | None:
+        """A copy of ``stage``'s weights as the last cycle left them, and the stage's optimizer step then (None
+        before the first cycle): what a peer that moves into an empty stage starts from."""
+        if stage not in self.weights_step:
+            return None
+        async with self._weights_lock:
+            module = self.workers[stage].module
+            copy = await asyncio.to_thread(lambda: {k: v.detach().float().clone() for k, v in
+                                                    module.state_dict().items()})
+            return copy, self.weights_step[stage]
+
     async def cycle(self) -> None:
         node = self.node
         steps = []
-        for s, w in enumerate(self.workers):
-            if self.followers:
-                steps.append(await self._follow(s))
-                continue
-            weights, opt_step = await self._fetch(s)
-            await asyncio.to_thread(w.module.load_state_dict, weights)
-            steps.append(opt_step)
+        async with self._weights_lock:
+            for s, w in enumerate(self.workers):
+                if self.followers:
+                    steps.append(await self._follow(s))
+                else:
+                    weights, opt_step = await self._fetch(s)
+                    await asyncio.to_thread(w.module.load_state_dict, weights)
+                    steps.append(opt_step)
+                self.weights_step[s] = steps[-1]
         ids = self.source.batch(self.cycles).to(node.opts.device)
         grads = await asyncio.to_thread(self._pass, ids, max(steps))
         factors = await asyncio.to_thread(self._fold, grads, steps)

@@ -308,12 +308,12 @@ class SwarmNode:
                 self.driver_tokens = int(m.get("driver_tokens", 0))
             logger.info("resumed stage %d from %s at step %d", self.stage, ckpt, loaded_step)
         others = [p for p in self.swarm.candidates(self.stage) if p.step > max(loaded_step, 0)]
-        if loaded_step < 0 and not others:
-            # a stage this peer moved into had no peer left: whatever it had trained is gone (an anchor's stale
-            # copy is not taken), and training goes on from the pretrained weights rather than not at all
+        if loaded_step < 0 and not others and not await self._load_from_anchor():
+            # a stage left without peers (this peer moved into it, or joined it) and no anchor copy: whatever it
+            # had trained is gone, and training goes on from the pretrained weights rather than not at all
             (logger.warning if self.moves else logger.info)(
-                "stage %d: no peer of it and no checkpoint to load from; starting from the pretrained weights",
-                self.stage)
+                "stage %d: no peer of it, no checkpoint and no anchor copy to load from; starting from the "
+                "pretrained weights", self.stage)
         for peer in others[:3]:
             try:
                 blob = await self._fetch_state(peer.peer_id)
@@ -328,6 +328,38 @@ class SwarmNode:
             # into a starved stage 0 goes on from there, not from step 0 (warmup again)
             steps = [p.driver_step or 0 for p in self.swarm.peers if p.role in ("driver", "fast")]
             self.driver_step = max([self.driver_step, host.opt_step, *steps])
+
+    async def _load_from_anchor(self) -> bool:
+        """Take the stage's weights from an allowed anchor's last cycle (``rpc_stage_weights``): stale by up to
+        ``anchor.period`` steps and with a fresh optimizer state, but far closer to the swarm's model than the
+        pretrained weights. Only anchors whose record is signed by a key in ``anchor.allowed_keys`` and that have
+        run a cycle are asked; whatever they send is checked before any weight changes."""
+        from hivemind.p2p import PeerID
+
+        allowed = set(self.cfg.anchor.allowed_keys)
+        anchors = [p for p in self.swarm.peers
+                   if p.role == "anchor" and p.state == "online" and p.step > 0 and p.owner in allowed]
+        host = self.host
+        most = sum(t.numel() * 4 for t in host.worker.module.state_dict().values())
+        for anchor in sorted(anchors, key=lambda p: -p.step)[:2]:
+            try:
+                chunks = await collect_stream(
+                    self.swarm.p2p, PeerID.from_base58(anchor.peer_id), f"{self.run_id}.rpc_stage_weights",
+                    {"run": self.run_id, "stage": self.stage}, max_bytes=host.limits.max_message_bytes,
+                    timeout=host.limits.rpc_timeout, max_total=most, size=pieces_bytes,
+                )
+                opt_step = chunks[-1].get("opt_step") if chunks else None
+                if not isinstance(opt_step, int) or isinstance(opt_step, bool) or opt_step < 0:
+                    raise ValueError(f"bad opt_step {opt_step!r}")
+                await host.run(host.load_weights, weights_from_chunks(chunks), opt_step)
+            except Exception as exc:
+                logger.warning("could not take stage %d's weights from anchor %s: %r", self.stage,
+                               anchor.peer_id[-8:], exc)
+                continue
+            logger.warning("stage %d: no peer of it to load from; took the anchor %s's copy of its weights (the "
+                           "stage's step %d, fresh optimizer state)", self.stage, anchor.peer_id[-8:], opt_step)
+            return True
+        return False
 
     def _dp_clock(self) -> int:
         """The newest driver step this peer knows: its own (a driver), the microbatches it served, the records."""

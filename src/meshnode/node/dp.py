@@ -457,6 +457,14 @@ class SwarmDP:
         self.syncs = int(state["syncs"])
         self._restart_log()
 
+    def restart_from_weights(self) -> None:
+        """The live weights were replaced without a DP state (an anchor's copy): they are the start weights now,
+        with no outer velocity and no PowerSGD error feedback."""
+        cfg = self.host.cfg.dp
+        self.outer = OuterNesterov(self.params, lr=cfg.outer_lr, momentum=cfg.outer_momentum)
+        self.psgd = PowerSGDState(cfg.rank, quantize=cfg.quantize)
+        self._restart_log()
+
     def _restart_log(self) -> None:
         """The start weights came from elsewhere (a checkpoint, a peer's state, a partner's outer state): the log's
         entries no longer lead to them, so a new log that followers cannot reach from the pretrained weights (they

@@ -498,6 +498,24 @@ class StageHost:
             yield {"ok": True, "data": blob[i * WEIGHT_CHUNK_BYTES : (i + 1) * WEIGHT_CHUNK_BYTES], "last": i == n - 1,
                    "opt_step": self.opt_step}
 
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor], opt_step: int) -> None:
+        """The stage's weights from elsewhere without an optimizer state (an anchor's copy): every tensor of the
+        module, of its shape and finite, or nothing changes (ValueError). The optimizer step goes on from
+        ``opt_step`` (the lr schedule); DP restarts from these weights."""
+        own = self.worker.module.state_dict()
+        if set(weights) != set(own):
+            missing, extra = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+            raise ValueError(f"weights do not fit the stage (missing {missing[:3]}, unknown {extra[:3]})")
+        for name, t in weights.items():
+            if tuple(t.shape) != tuple(own[name].shape) or not t.is_floating_point() or not bool(
+                    torch.isfinite(t).all()):
+                raise ValueError(f"weights {name!r}: wrong shape or dtype, or non-finite values")
+        self.worker.module.load_state_dict({n: t.to(own[n].dtype) for n, t in weights.items()})
+        self.opt_step = int(opt_step)
+        if self.dp is not None:
+            self.dp.restart_from_weights()
+
     def load_state_blob(self, blob: bytes) -> None:
         state = torch.load(io.BytesIO(blob), weights_only=True)
         self.worker.module.load_state_dict(state["weights"])
