@@ -171,6 +171,10 @@ VARIANTS: dict[str, list[str]] = {
     # the estimate from four microbatches of one sequence (three degrees of freedom a step instead of one)
     "dense_dp_mb4": [*DP, *MB4],
     "dense_dp_vc_mb4": [*DP, *MB4, "dp.v_correction=true"],
+    # X = 4 replicas of 2 sequences each (2 microbatches of 1): the same 8 sequences and 30 steps as X = 2, each
+    # replica's second moment holding 4x batch 8's noise instead of 2x; the correction takes it to X = 4
+    "dense_dp_x4_mb2": [*DP, "dp.replicas=4", "train.batch_size=1", "train.microbatches=2"],
+    "dense_dp_x4_vc": [*DP, "dp.replicas=4", "train.batch_size=1", "train.microbatches=2", "dp.v_correction=true"],
 }
 TABLE = ["dense", "dense_dp", "m90", "m90_ap", "m95", "m95_ap", "m95_ap_dp", "topk", "int8"]
 

@@ -414,22 +414,18 @@ def test_a_replica_takes_one_step_per_train_microbatches_however_many_arrive(tin
     assert host.tokens == 6 * B * T and not host.worker.in_flight and not host._running
 
 
-def test_a_forward_waits_at_a_full_replica_then_is_told_busy_but_a_retry_is_answered(tiny_cfg, cache_dir):
-    """Over the wire (``forward``): with the step's one place taken, another driver's microbatch waits
-    ``busy_timeout`` and is told "busy" (it goes to another replica); a retry of the microbatch in flight is
-    not refused and takes no place: it gets the first attempt's result, counted once."""
-    import asyncio
+def _held_host(tiny_cfg, cache_dir):
+    """A one-microbatch last-stage host whose first backward stays in flight until ``release`` is set:
+    ``(host, labels, in_backward, release, request(driver, attempt))``."""
     import threading
 
-    from meshnode.node.host import BusyError
     from meshnode.protocol.messages import forward_request
 
     cfg, host, mod, x, y = _last_stage_host(tiny_cfg, cache_dir, "train.microbatches=1")
-    host.busy_timeout = 0.05
     in_backward, release = threading.Event(), threading.Event()
     backward_fn = host.worker.backward
 
-    def held_backward(mbid, grad):  # the first attempt stays in flight until the test releases it
+    def held_backward(mbid, grad):
         in_backward.set()
         assert release.wait(30.0)
         return backward_fn(mbid, grad)
@@ -439,6 +435,20 @@ def test_a_forward_waits_at_a_full_replica_then_is_told_busy_but_a_retry_is_answ
     def request(driver, attempt):
         return forward_request(run="run", driver=driver, step=0, mb=0, attempt=attempt, boundary=0,
                                mask_version=cfg.mask.version, payload=x, labels=y, vocab=host.limits.vocab)
+
+    return host, y, in_backward, release, request
+
+
+def test_a_forward_waits_at_a_full_replica_then_is_told_busy_but_a_retry_is_answered(tiny_cfg, cache_dir):
+    """Over the wire (``forward``): with the step's one place taken, another driver's microbatch waits
+    ``busy_timeout`` and is told "busy" (it goes to another replica); a retry of the microbatch in flight is
+    not refused and takes no place: it gets the first attempt's result, counted once."""
+    import asyncio
+
+    from meshnode.node.host import BusyError
+
+    host, y, in_backward, release, request = _held_host(tiny_cfg, cache_dir)
+    host.busy_timeout = 0.05
 
     async def go():
         loop = asyncio.get_running_loop()
@@ -464,26 +474,11 @@ def test_a_closed_replica_finishes_what_is_in_flight_and_turns_the_rest_away(tin
     retry of it is still answered. Before, ``wait_idle`` saw only what was in flight: a forward queued at the
     gate was admitted after it returned, while the peer was being torn down."""
     import asyncio
-    import threading
 
     from meshnode.node.host import BusyError
-    from meshnode.protocol.messages import forward_request
 
-    cfg, host, mod, x, y = _last_stage_host(tiny_cfg, cache_dir, "train.microbatches=1")
+    host, y, in_backward, release, request = _held_host(tiny_cfg, cache_dir)
     host.busy_timeout = 30.0  # a queued forward would wait this long: close must release it at once
-    in_backward, release = threading.Event(), threading.Event()
-    backward_fn = host.worker.backward
-
-    def held_backward(mbid, grad):
-        in_backward.set()
-        assert release.wait(30.0)
-        return backward_fn(mbid, grad)
-
-    host.worker.backward = held_backward
-
-    def request(driver, attempt):
-        return forward_request(run="run", driver=driver, step=0, mb=0, attempt=attempt, boundary=0,
-                               mask_version=cfg.mask.version, payload=x, labels=y, vocab=host.limits.vocab)
 
     async def go():
         loop = asyncio.get_running_loop()
