@@ -32,11 +32,14 @@ def test_choose_stage_least_served_first():
 
 
 def test_rebalance_moves_one_peer_of_a_crowded_stage():
-    snap = [peer("a", 0, "driver"), peer("b", 1), peer("c", 1)]
+    snap = [peer("a", 0, "driver"), peer("b", 1, movable=True), peer("c", 1, movable=True)]
     assert should_rebalance(snap, 3, "b") == 2
     assert should_rebalance(snap, 3, "c") is None  # only the smallest id moves
     assert should_rebalance(snap, 3, "a") is None  # alone in its stage
     assert should_rebalance(snap + [peer("d", 2)], 3, "b") is None
+    # the smallest id of the stage is pinned (--stage N, or an older peer): the smallest movable one moves
+    pinned = [peer("a", 0, "driver"), peer("b", 1), peer("c", 1, movable=True)]
+    assert should_rebalance(pinned, 3, "c") == 2  # (b never asks: a pinned peer does not rebalance)
 
 
 def test_a_peer_moves_only_after_the_stage_stayed_empty_and_a_full_read_agrees(monkeypatch):
@@ -50,7 +53,7 @@ def test_a_peer_moves_only_after_the_stage_stayed_empty_and_a_full_read_agrees(m
 
     clock = [100.0]
     monkeypatch.setattr(daemon_mod.time, "monotonic", lambda: clock[0])
-    crowded = [peer("a", 0, "driver"), peer("b", 1), peer("c", 1)]
+    crowded = [peer("a", 0, "driver"), peer("b", 1, movable=True), peer("c", 1, movable=True)]
     served = crowded + [peer("d", 2)]
     full_reads = []
 

@@ -133,7 +133,8 @@ class AnchorRunner:
         self.prior_step: int | None = None
         self.next_at = self.cfg.anchor.period
         self.servicer: PriorServicer | None = None
-        self._weights_lock = asyncio.Lock()  # held while a cycle replaces the stages' weights
+        # per stage: held while a cycle replaces that stage's weights (rpc_stage_weights copies them under it)
+        self._weights_locks = [asyncio.Lock() for _ in range(self.cfg.model.stages)]
         self.weights_step: dict[int, int] = {}  # stage -> its optimizer step when the last cycle took its weights
 
     def _build(self):
@@ -327,7 +328,7 @@ class AnchorRunner:
         before the first cycle): what a peer that moves into an empty stage starts from."""
         if stage not in self.weights_step:
             return None
-        async with self._weights_lock:
+        async with self._weights_locks[stage]:
             module = self.workers[stage].module
             copy = await asyncio.to_thread(lambda: {k: v.detach().float().clone() for k, v in
                                                     module.state_dict().items()})
@@ -336,15 +337,16 @@ class AnchorRunner:
     async def cycle(self) -> None:
         node = self.node
         steps = []
-        async with self._weights_lock:
-            for s, w in enumerate(self.workers):
-                if self.followers:
+        for s, w in enumerate(self.workers):
+            if self.followers:
+                async with self._weights_locks[s]:  # the follower changes the weights as it goes
                     steps.append(await self._follow(s))
-                else:
-                    weights, opt_step = await self._fetch(s)
+            else:
+                weights, opt_step = await self._fetch(s)  # over the network: outside the lock
+                async with self._weights_locks[s]:
                     await asyncio.to_thread(w.module.load_state_dict, weights)
-                    steps.append(opt_step)
-                self.weights_step[s] = steps[-1]
+                steps.append(opt_step)
+            self.weights_step[s] = steps[-1]
         ids = self.source.batch(self.cycles).to(node.opts.device)
         grads = await asyncio.to_thread(self._pass, ids, max(steps))
         factors = await asyncio.to_thread(self._fold, grads, steps)

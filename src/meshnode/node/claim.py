@@ -3,8 +3,8 @@
 A joining fast peer takes the stage with the least serving capacity: the fewest fast peers
 (joining or online), ties broken by the lower summed throughput, then the lower stage index. A
 running peer moves when a stage is *starved* (no fast peer) while its own stage has at least two:
-of the peers of the crowded stage the one with the smallest peer id moves, so two peers never
-both jump.
+of the peers of the crowded stage that announce themselves movable (a peer pinned to its stage, or an
+older one, does not) the one with the smallest peer id moves, so two peers never both jump.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def should_rebalance(peers: Sequence[PeerRecord], num_stages: int, me: str) -> i
     starved = [s for s, ps in enumerate(serving) if not ps]
     if not starved or len(serving[stage]) < 2:
         return None
-    if min(p.peer_id for p in serving[stage]) != me:
+    movable = [p.peer_id for p in serving[stage] if p.movable or p.peer_id == me]
+    if min(movable) != me:
         return None
     return starved[0]
 

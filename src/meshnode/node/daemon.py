@@ -90,10 +90,12 @@ class SwarmNode:
         self.num_stages = cfg.model.stages
         self.identity = keys.load_or_create_identity(opts.identity)
         self.stopping = asyncio.Event()
+        self.state = "joining"  # what the record says (the announce loop repeats it)
         self.leaving = asyncio.Event()  # leave the current stage: stopping, or moving to another (rebalance)
         self.move_to: int | None = None
         self._starved: tuple[int, float] | None = None  # (the stage should_rebalance names, since when)
         self.moves = 0
+        self._served_driver_step = 0  # the newest driver step the stages this peer left had served
         self.counter = ByteCounter()
         self.swarm: SwarmClient | None = None
         self.host: StageHost | None = None
@@ -162,23 +164,24 @@ class SwarmNode:
 
     # ---- a stage replica -------------------------------------------------------------------
 
+    def _checkpoint_of(self, stage: int) -> Path | None:
+        if self.opts.checkpoint_dir is None:
+            return None
+        path = Path(self.opts.checkpoint_dir) / CHECKPOINT_NAME.format(stage=stage)
+        return path if path.is_file() else None
+
     def _pick_stage(self, move_to: int | None = None) -> tuple[int, Path | None]:
-        ckpt = None
-        if self.opts.checkpoint_dir is not None:
-            found = list(Path(self.opts.checkpoint_dir).glob("stage*.pt"))
-            if found:  # the newest: a peer that moved between stages saved the last one it served last
-                ckpt = max(found, key=lambda f: f.stat().st_mtime)
         if move_to is not None:
-            own = CHECKPOINT_NAME.format(stage=move_to)
-            return move_to, ckpt if ckpt and ckpt.name == own else None
+            return move_to, self._checkpoint_of(move_to)
         if self.role == "driver":
-            return 0, ckpt if ckpt and ckpt.name == CHECKPOINT_NAME.format(stage=0) else None
+            return 0, self._checkpoint_of(0)
         if self.opts.stage is not None:
             if not 0 <= self.opts.stage < self.num_stages:
                 raise SwarmError(f"--stage {self.opts.stage}: the run has stages 0..{self.num_stages - 1}")
-            want = CHECKPOINT_NAME.format(stage=self.opts.stage)
-            return self.opts.stage, ckpt if ckpt and ckpt.name == want else None
-        if ckpt is not None:
+            return self.opts.stage, self._checkpoint_of(self.opts.stage)
+        found = list(Path(self.opts.checkpoint_dir).glob("stage*.pt")) if self.opts.checkpoint_dir else []
+        if found:  # the newest: a peer that moved between stages saved the one it served last
+            ckpt = max(found, key=lambda f: f.stat().st_mtime)
             return int(ckpt.stem.removeprefix("stage")), ckpt
         return choose_stage(self.swarm.peers, self.num_stages, exclude=self.swarm.peer_id), None
 
@@ -210,19 +213,26 @@ class SwarmNode:
             loss=_finite(self.last_loss if self.role == "driver" else (host.last_loss if host else None)),
             bytes={k: v for k, v in self.counter.snapshot().items() if k != "total"},
             prior_step=self.prior_step, dp_syncs=host.dp_syncs() if host else 0, shard=self.shard,
+            movable=self.opts.rebalance_after is not None,
         )
 
-    async def announce(self, state: str) -> None:
+    async def announce(self, state: str | None = None) -> None:
+        """Store this peer's record in ``state`` (default: the current one, :attr:`state`)."""
+        if state is not None:
+            self.state = state
         ttl = self.opts.announce_period * 4
-        ok = await self.swarm.announce(self._make_record(state), ttl)
+        ok = await self.swarm.announce(self._make_record(self.state), ttl)
         if not ok:
-            logger.debug("announce (%s) was not stored", state)
+            logger.debug("announce (%s) was not stored", self.state)
 
     async def _announce_loop(self) -> None:
+        """Re-announce the current state before the record expires: ``joining`` while the stage is set up (which
+        can outlast a record's lifetime: the stage would look empty to rebalancing peers), ``online`` while it
+        serves, ``offline`` from the start of a graceful stop (routers and DP partners leave it alone)."""
         while True:
             await asyncio.sleep(self.opts.announce_period)
             try:
-                await self.announce("online")
+                await self.announce()
             except Exception as exc:
                 logger.warning("announce failed: %r", exc)
 
@@ -265,7 +275,10 @@ class SwarmNode:
                     (logger.info if line.startswith("ok") else logger.warning)("swarm: %s", line)
                 last_health = health
             if self.opts.rebalance_after is not None:
-                await self._check_rebalance(peers)
+                try:
+                    await self._check_rebalance(peers)
+                except Exception as exc:  # a DHT error must not end the refresh loop
+                    logger.warning("rebalance check failed: %r", exc)
 
     async def _check_rebalance(self, peers) -> None:
         """Move once :func:`.claim.should_rebalance` has named the same stage for ``rebalance_after`` seconds; a full
@@ -301,7 +314,7 @@ class SwarmNode:
             await host.run(host.load_state_blob, blob)
             loaded_step = host.opt_step
             meta = ckpt.with_suffix(".json")
-            if meta.is_file():
+            if meta.is_file() and not self.moves:  # a mover's counters and driver steps are this process's
                 m = json.loads(meta.read_text())
                 self.counter.merge(ByteCounter.from_snapshot(m.get("bytes", {})))
                 self.driver_step = int(m.get("driver_step", 0))
@@ -324,10 +337,10 @@ class SwarmNode:
             except Exception as exc:
                 logger.warning("could not load state from %s: %r", peer.peer_id[-8:], exc)
         if self.role == "driver":
-            # the newest driver step any record tells (a fast peer's is the newest it served): a peer that moved
-            # into a starved stage 0 goes on from there, not from step 0 (warmup again)
-            steps = [p.driver_step or 0 for p in self.swarm.peers if p.role in ("driver", "fast")]
-            self.driver_step = max([self.driver_step, host.opt_step, *steps])
+            # the drivers' records, and the newest driver step the stage this peer left had served: a fast peer that
+            # moved into a starved stage 0 (no driver record left) goes on from there, not from step 0
+            steps = [p.driver_step or 0 for p in self.swarm.peers if p.role == "driver" and p.state == "online"]
+            self.driver_step = max([self.driver_step, host.opt_step, self._served_driver_step, *steps])
 
     async def _load_from_anchor(self) -> bool:
         """Take the stage's weights from an allowed anchor's last cycle (``rpc_stage_weights``): stale by up to
@@ -418,8 +431,10 @@ class SwarmNode:
         """Stop serving the current stage (after its graceful stop): its tasks, DP averager and RPC handlers."""
         await _cancel(self.stage_tasks)
         host, self.host = self.host, None
+        if host is not None:
+            self._served_driver_step = max(self._served_driver_step, host.driver_step)
         if host is not None and host.dp is not None:
-            host.dp.shutdown()
+            await asyncio.to_thread(host.dp.shutdown)  # hivemind joins its averager process: not on the loop
         if self.servicer is not None and self.swarm is not None and self.swarm.p2p is not None:
             with contextlib.suppress(Exception):
                 await self.servicer.remove_p2p_handlers(self.swarm.p2p, self.run_id)
@@ -436,6 +451,7 @@ class SwarmNode:
             self.role = "fast"
         logger.info("peer %s joins run %s as %s of stage %d", self.swarm.peer_id, self.run_id, self.role, stage)
         await self.announce("joining")
+        self.stage_tasks.append(asyncio.create_task(self._announce_loop()))
         self.host = await asyncio.to_thread(self._build_host, stage)
         self.swarm.limits = self.host.limits
         if self.opts.trace_out is not None:
@@ -453,7 +469,6 @@ class SwarmNode:
         self.servicer = StageServicer(self.host, self.host.limits.max_message_bytes)
         await self.servicer.add_p2p_handlers(self.swarm.p2p, self.run_id)
         await self.announce("online")
-        self.stage_tasks.append(asyncio.create_task(self._announce_loop()))
         self.stage_tasks.append(asyncio.create_task(self._refresh_loop()))
         if self.cfg.anchor.enabled:
             from .priors import PriorReader
@@ -463,7 +478,7 @@ class SwarmNode:
         self._write_ready()
         driver = asyncio.create_task(self._drive()) if self.role == "driver" else None
         await self.leaving.wait()
-        await self._graceful_stop(driver, checkpoint=self.stopping.is_set())
+        await self._graceful_stop(driver)
 
     def _write_ready(self) -> None:
         if self.opts.ready_file is not None:
@@ -472,7 +487,10 @@ class SwarmNode:
                                        "maddrs": [str(m) for m in self.swarm.dht.get_visible_maddrs()]}))
             tmp.rename(self.opts.ready_file)
 
-    async def _graceful_stop(self, driver: asyncio.Task | None, checkpoint: bool = True) -> None:
+    async def _graceful_stop(self, driver: asyncio.Task | None) -> None:
+        """Leave the stage: ``offline`` (the announce loop repeats it), the driver's step finished, the gate closed and
+        what is in flight finished (bounded), then, unless only moving to another stage, a checkpoint (a signal
+        that came during a move's drain gets one too)."""
         try:
             await self.announce("offline")
         except Exception as exc:
@@ -487,7 +505,7 @@ class SwarmNode:
         await self.host.close()
         if not await self.host.wait_idle(self.opts.shutdown_grace):
             logger.warning("in-flight microbatches did not finish within %.0fs", self.opts.shutdown_grace)
-        if checkpoint and self.opts.checkpoint_dir is not None:
+        if self.stopping.is_set() and self.opts.checkpoint_dir is not None:
             await self.save_checkpoint(Path(self.opts.checkpoint_dir))
 
     async def save_checkpoint(self, directory: Path) -> Path:
@@ -535,7 +553,7 @@ class SwarmNode:
                 source = BatchSource(corpus.train, cfg.train.batch_size, shard=shard, num_shards=replicas,
                                      seed=cfg.train.seed)
                 with contextlib.suppress(Exception):  # tell the other drivers now, not at the next announcement
-                    await self.announce("online")
+                    await self.announce()
             pending = list(range(M))
             losses: dict[int, float] = {}
             stalled_since = None
@@ -568,7 +586,7 @@ class SwarmNode:
                 logger.info("driver step %d/%d loss %.4f", step + 1, cfg.train.steps, loss)
         if self.driver_step >= cfg.train.steps:
             logger.info("driver: reached train.steps = %d", cfg.train.steps)
-            await self.announce("online")
+            await self.announce()
 
     async def _microbatch(self, step: int, m: int, ids: torch.Tensor) -> float:
         import random

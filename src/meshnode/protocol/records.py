@@ -50,6 +50,7 @@ class PeerRecordSchema(pydantic.BaseModel):
     prior_step: StrictInt | None = None
     dp_syncs: conint(strict=True, ge=0) | None = None
     shard: conint(strict=True, ge=0, le=65535) | None = None  # a driver's data shard (of dp.replicas)
+    movable: StrictBool | None = None  # it moves into a stage left without peers (rebalancing)
     version: StrictStr | None = None
     updated: StrictFloat | None = None
 
@@ -110,6 +111,7 @@ class PeerRecord:
     prior_step: int | None = None
     dp_syncs: int = 0
     shard: int | None = None
+    movable: bool = False
     version: str = SOFTWARE_VERSION
     updated: float = 0.0
     owner: str = ""
