@@ -40,6 +40,24 @@ def test_rebalance_moves_one_peer_of_a_crowded_stage():
     # the smallest id of the stage is pinned (--stage N, or an older peer): the smallest movable one moves
     pinned = [peer("a", 0, "driver"), peer("b", 1), peer("c", 1, movable=True)]
     assert should_rebalance(pinned, 3, "c") == 2  # (b never asks: a pinned peer does not rebalance)
+    # a stage two or more peers behind the most crowded one (of those that can send) gets one of them
+    m = dict(movable=True)
+    snap = [peer("a", 0, "driver"), peer("b", 1, **m), peer("c", 1, **m), peer("d", 1, **m), peer("e", 2, **m)]
+    assert should_rebalance(snap, 3, "b") == 0  # stage 0 (1 peer) and 2 (1 peer) tie: the lower index
+    assert [should_rebalance(snap, 3, x) for x in "acde"] == [None] * 4
+    assert should_rebalance(snap[:3] + snap[4:], 3, "b") is None  # 2 against 1: one apart is balanced
+    # of two crowded stages only the most crowded one sends (the lower index among equals), so two peers never
+    # both jump and overshoot; pinned drivers in stage 0 leave it to stage 1
+    two = [peer("a", 0, "driver", **m), peer("b", 0, "driver", **m), peer("c", 1, **m), peer("d", 1, **m)]
+    assert should_rebalance(two, 3, "a") == 2 and should_rebalance(two, 3, "c") is None
+    two_pinned = [peer("a", 0, "driver"), peer("b", 0, "driver"), peer("c", 1, **m), peer("d", 1, **m)]
+    assert should_rebalance(two_pinned, 3, "c") == 2
+    three = [peer("a", 0, "driver", **m), *snap[1:4], peer("f", 0, "driver", **m), peer("g", 0, "driver", **m),
+             peer("h", 2, **m)]
+    # 3, 3, 1: stage 0 sends its smallest id, and afterwards (2, 3, 2) nobody moves
+    assert [should_rebalance(three, 3, x) for x in "abcdfgh"] == [2] + [None] * 6
+    after = [peer("a", 2, **m), *three[1:]]
+    assert [should_rebalance(after, 3, x) for x in "abcdfgh"] == [None] * 7
 
 
 def test_a_peer_moves_only_after_the_stage_stayed_empty_and_a_full_read_agrees(monkeypatch):

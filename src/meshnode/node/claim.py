@@ -2,9 +2,11 @@
 
 A joining fast peer takes the stage with the least serving capacity: the fewest fast peers
 (joining or online), ties broken by the lower summed throughput, then the lower stage index. A
-running peer moves when a stage is *starved* (no fast peer) while its own stage has at least two:
-of the peers of the crowded stage that announce themselves movable (a peer pinned to its stage, or an
-older one, does not) the one with the smallest peer id moves, so two peers never both jump.
+running peer moves (rebalancing) when a stage is *starved* (no fast peer), or served by at least two
+fewer fast peers than its own: only peers of the most crowded stage (the lowest index among equals)
+move, to the least served stage (the lowest index among equals), and of them only the movable one
+(announced so: a peer pinned to its stage, or an older one, is not) with the smallest peer id, so one
+peer moves at a time and a move never makes the counts worse than one apart.
 """
 
 from __future__ import annotations
@@ -46,13 +48,16 @@ def should_rebalance(peers: Sequence[PeerRecord], num_stages: int, me: str) -> i
     if not mine:
         return None
     stage = mine[0]
-    starved = [s for s, ps in enumerate(serving) if not ps]
-    if not starved or len(serving[stage]) < 2:
+    counts = [len(ps) for ps in serving]
+    least = min(range(num_stages), key=lambda s: (counts[s], s))
+    # the sending stage: the most crowded of those with a peer that can move (pinned drivers in a crowded stage 0
+    # must not hold up a move from another crowded stage)
+    movable = [[p.peer_id for p in ps if p.movable or p.peer_id == me] for ps in serving]
+    senders = [s for s in range(num_stages) if movable[s]]
+    most = min(senders, key=lambda s: (-counts[s], s))
+    if stage != most or counts[stage] < 2 or counts[stage] - counts[least] < (1 if counts[least] == 0 else 2):
         return None
-    movable = [p.peer_id for p in serving[stage] if p.movable or p.peer_id == me]
-    if min(movable) != me:
-        return None
-    return starved[0]
+    return least if min(movable[stage]) == me else None
 
 
 def choose_shard(peers: Sequence[PeerRecord], me: str, shards: int, current: int | None = None) -> int:

@@ -45,7 +45,7 @@ from ..protocol import keys
 from ..protocol.limits import Limits
 from ..protocol.records import PeerRecord
 from ..protocol.servicer import RPCServicer, StageServicer, collect_stream, stream_rpc
-from .claim import choose_shard, choose_stage, should_rebalance
+from .claim import choose_shard, choose_stage, should_rebalance, stage_loads
 from .host import StageHost, pieces_bytes, weights_from_chunks
 from .status import driver_step, swarm_health
 from .swarm import ChainError, SwarmClient, SwarmError, start_dht
@@ -281,8 +281,9 @@ class SwarmNode:
                     logger.warning("rebalance check failed: %r", exc)
 
     async def _check_rebalance(self, peers) -> None:
-        """Move once :func:`.claim.should_rebalance` has named the same stage for ``rebalance_after`` seconds; a full
-        read of the records first confirms it (a first-holder read can lack a peer that is there)."""
+        """Move once :func:`.claim.should_rebalance` has named the same stage for ``rebalance_after`` seconds (a stage
+        with no fast peer, or two fewer than this one); a full read of the records first confirms it (a
+        first-holder read can lack a peer that is there)."""
         target = should_rebalance(peers, self.num_stages, self.swarm.peer_id)
         now = time.monotonic()
         if target is None:
@@ -291,8 +292,8 @@ class SwarmNode:
             self._starved = None
             return
         if self._starved is None or self._starved[0] != target:
-            logger.warning("rebalance: stage %d has no fast peer; this peer moves there from stage %d unless one "
-                           "comes within %.0f s", target, self.stage, self.opts.rebalance_after)
+            logger.warning("rebalance: %s; this peer moves there from stage %d unless that changes within %.0f s",
+                           self._imbalance(peers, target), self.stage, self.opts.rebalance_after)
             self._starved = (target, now)
             return
         if now - self._starved[1] < self.opts.rebalance_after or self.leaving.is_set():
@@ -301,10 +302,16 @@ class SwarmNode:
         if should_rebalance(peers, self.num_stages, self.swarm.peer_id) != target:
             self._starved = None
             return
-        logger.warning("rebalance: stage %d has had no fast peer for %.0f s; moving there from stage %d", target,
+        logger.warning("rebalance: %s for %.0f s; moving there from stage %d", self._imbalance(peers, target),
                        now - self._starved[1], self.stage)
         self.move_to = target
         self.leaving.set()
+
+    def _imbalance(self, peers, target: int) -> str:
+        loads = stage_loads(peers, self.num_stages)
+        if loads[target][0] == 0:
+            return f"stage {target} has no fast peer"
+        return f"stage {target} has {loads[target][0]} fast peers against {loads[self.stage][0]} here"
 
     async def _load_initial_state(self, ckpt: Path | None) -> None:
         host = self.host
