@@ -43,7 +43,8 @@ def test_rebalance_moves_one_peer_of_a_crowded_stage():
     # a stage two or more peers behind the most crowded one (of those that can send) gets one of them
     m = dict(movable=True)
     snap = [peer("a", 0, "driver"), peer("b", 1, **m), peer("c", 1, **m), peer("d", 1, **m), peer("e", 2, **m)]
-    assert should_rebalance(snap, 3, "b") == 0  # stage 0 (1 peer) and 2 (1 peer) tie: the lower index
+    assert should_rebalance(snap, 3, "b") == 2  # stage 0 (1 peer) and 2 (1 peer) tie, but stage 0's are drivers
+    assert should_rebalance(snap[1:], 3, "b") == 0  # no driver at all: stage 0 gets one
     assert [should_rebalance(snap, 3, x) for x in "acde"] == [None] * 4
     assert should_rebalance(snap[:3] + snap[4:], 3, "b") is None  # 2 against 1: one apart is balanced
     # of two crowded stages only the most crowded one sends (the lower index among equals), so two peers never

@@ -508,3 +508,26 @@ def test_a_peer_moves_into_a_stage_left_without_peers(swarm_factory, tmp_path, w
     assert by_stage[2]["fast_peers"] == [mover[0].ready()["peer_id"]], by_stage
     assert by_stage[1]["fast_peers"] == [stayer.ready()["peer_id"]], by_stage
     assert all(m.alive() for m in movers)
+
+
+def test_a_peer_moves_from_a_crowded_stage_to_a_thin_one(swarm_factory, tmp_path):
+    """Rebalancing between served stages: stage 1 has three movable peers, stage 2 one; the smallest movable id of
+    stage 1 moves to stage 2 and loads that stage's current state from its peer (the mid-run join path), so
+    counts end at (1, 2, 2) and nobody else moves."""
+    sw = swarm_factory(THREE + ["train.steps=20000", "train.warmup_steps=5"])
+    metrics = tmp_path / "even.jsonl"
+    sw.start("driver", "--stage", "0", "--metrics-out", str(metrics))
+    sw.start("s2", "--stage", "2")
+    crowd = [sw.start(name, "--stage", "1", "--rebalance-after", "3") for name in ("s1a", "s1b", "s1c")]
+
+    def moved():
+        return [m for m in crowd if "moving there from stage 1" in m.log.read_text()]
+
+    mover = wait_for(moved, 120, "a stage-1 peer to move to stage 2")
+    wait_for(lambda: "loaded stage 2 state" in mover[0].log.read_text(), 60, "the mover to load stage 2's state")
+    moved_at = len(sw.metrics(metrics))
+    wait_for(lambda: len(sw.metrics(metrics)) >= moved_at + 10, 120, "training to go on")
+    assert len(moved()) == 1, [tail(m.log) for m in crowd]
+    by_stage = {s["stage"]: s for s in sw.status()["stages"]}
+    assert mover[0].ready()["peer_id"] in by_stage[2]["fast_peers"] and len(by_stage[2]["fast_peers"]) == 2
+    assert len(by_stage[1]["fast_peers"]) == 2, by_stage

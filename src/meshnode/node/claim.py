@@ -4,7 +4,8 @@ A joining fast peer takes the stage with the least serving capacity: the fewest 
 (joining or online), ties broken by the lower summed throughput, then the lower stage index. A
 running peer moves (rebalancing) when a stage is *starved* (no fast peer), or served by at least two
 fewer fast peers than its own: only peers of the most crowded stage (the lowest index among equals)
-move, to the least served stage (the lowest index among equals), and of them only the movable one
+move, to the least served stage (the lowest index among equals; stage 0, whose peers are drivers, only
+when it has none), and of them only the movable one
 (announced so: a peer pinned to its stage, or an older one, is not) with the smallest peer id, so one
 peer moves at a time and a move never makes the counts worse than one apart.
 """
@@ -49,7 +50,11 @@ def should_rebalance(peers: Sequence[PeerRecord], num_stages: int, me: str) -> i
         return None
     stage = mine[0]
     counts = [len(ps) for ps in serving]
-    least = min(range(num_stages), key=lambda s: (counts[s], s))
+    # stage 0's peers are drivers, each reading a data shard: another one is added only where there is none
+    targets = [s for s in range(num_stages) if s > 0 or counts[s] == 0]
+    if not targets:
+        return None
+    least = min(targets, key=lambda s: (counts[s], s))
     # the sending stage: the most crowded of those with a peer that can move (pinned drivers in a crowded stage 0
     # must not hold up a move from another crowded stage)
     movable = [[p.peer_id for p in ps if p.movable or p.peer_id == me] for ps in serving]
