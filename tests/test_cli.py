@@ -90,14 +90,20 @@ def test_rebalance_delay_of_join():
     """Who may move to a stage left without peers: a fast peer whose stage was chosen for it, after 30 s; a fixed
     --stage only with --rebalance-after; never a driver, an anchor, or with --no-rebalance. Bad delays are one
     clear line."""
+    import pytest
+
     from meshnode.cli import rebalance_delay
+    from meshnode.config import ConfigError
 
     assert rebalance_delay(None, False, stage_fixed=False, role="fast") == 30.0
     assert rebalance_delay(None, False, stage_fixed=True, role="fast") is None
     assert rebalance_delay(3.0, False, stage_fixed=True, role="fast") == 3.0
-    assert rebalance_delay(3.0, True, stage_fixed=False, role="fast") is None
+    assert rebalance_delay(None, True, stage_fixed=False, role="fast") is None
     assert rebalance_delay(None, False, stage_fixed=False, role="driver") is None
-    assert rebalance_delay(3.0, False, stage_fixed=False, role="anchor") is None
+    assert rebalance_delay(None, False, stage_fixed=False, role="anchor") is None
+    for after, never, role, needle in [(3.0, True, "fast", "contradict"), (3.0, False, "anchor", "never moves")]:
+        with pytest.raises(ConfigError, match=needle):
+            rebalance_delay(after, never, stage_fixed=False, role=role)
     r = runner.invoke(app, ["join", "--config", str(TINY), "--rebalance-after", "-1"])
     assert r.exit_code == 1 and "--rebalance-after: -1.0 is not a number of seconds >= 0" in r.output, r.output
     assert "Traceback" not in r.output

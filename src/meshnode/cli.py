@@ -219,6 +219,10 @@ def rebalance_delay(after: float | None, never: bool, *, stage_fixed: bool, role
     ``--stage`` without ``--rebalance-after``."""
     if after is not None and not (math.isfinite(after) and after >= 0):
         raise ConfigError(f"--rebalance-after: {after} is not a number of seconds >= 0")
+    if after is not None and never:
+        raise ConfigError("--rebalance-after and --no-rebalance contradict each other")
+    if after is not None and role != "fast":
+        raise ConfigError(f"--rebalance-after: a {role} peer never moves to another stage")
     if never or role != "fast":
         return None
     if after is None and not stage_fixed:
