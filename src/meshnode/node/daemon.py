@@ -16,10 +16,10 @@ Life of a peer (docs/swarm.md):
 6. on SIGINT / SIGTERM: announce ``offline``, stop taking new steps, let in-flight chains finish
    (bounded), save a checkpoint, stop the DHT and its daemon;
 7. rebalancing (``--rebalance-after``, on by default for a peer whose stage was chosen for it): when a
-   stage has had no fast peer for that long while this peer's stage has two or more and this peer is
-   the one :func:`.claim.should_rebalance` names, it leaves its stage as in 6 (no checkpoint) and joins
-   the starved one as in 2-4, in the same process: a stage whose last peer died no longer stalls the
-   pipeline until somebody new joins.
+   stage has had no fast peer, or two fewer than this peer's, for that long and this peer is the one
+   :func:`.claim.should_rebalance` names, it leaves its stage as in 6 (no checkpoint) and joins the thin
+   one as in 2-4 (an empty stage from an allowed anchor's copy when there is one), in the same process:
+   a stage whose last peer died no longer stalls the pipeline until somebody new joins.
 
 The anchor role is :mod:`.anchor`.
 """
