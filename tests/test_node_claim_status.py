@@ -488,6 +488,15 @@ def test_peer_record_capacity_is_finite_and_non_negative():
     assert PeerRecord.from_value({**good, "capacity": None}).capacity == 0.0  # an older peer: unknown
 
 
+def test_peer_record_flags_round_trip_and_default_off_for_older_peers():
+    rec = PeerRecord.from_value(peer("p", 1, movable=True, busy=True).to_value())
+    assert rec.movable is True and rec.busy is True
+    old = {k: v for k, v in peer("p", 1).to_value().items() if k not in ("movable", "busy")}
+    rec = PeerRecord.from_value(old)  # an older peer's record: not movable, never busy
+    assert rec is not None and rec.movable is False and rec.busy is False
+    assert PeerRecord.from_value({**peer("p", 1).to_value(), "movable": "yes"}) is None
+
+
 class _FakeDHT:
     """Records each get's ``latest``; returns no peers (parse_peers(None) is an empty list)."""
 

@@ -488,6 +488,7 @@ def test_a_closed_replica_finishes_what_is_in_flight_and_turns_the_rest_away(tin
         for _ in range(20):
             await asyncio.sleep(0)
         assert not queued.done()
+        assert host.busy()  # a microbatch in flight: what the demo's final read waits out
         await host.close()
         with pytest.raises(BusyError, match="leaving"):
             await asyncio.wait_for(queued, 10.0)
@@ -500,6 +501,7 @@ def test_a_closed_replica_finishes_what_is_in_flight_and_turns_the_rest_away(tin
         again = await host.forward(request("d", 2))  # the reply was lost: the retry is answered, not refused
         assert again["loss"] == a["loss"]
         assert host.refused == 2
+        assert await host.wait_idle(30.0) and not host.busy()
 
     asyncio.run(go())
     assert host.opt_step == 1 and host.tokens == y.numel()

@@ -213,7 +213,7 @@ class SwarmNode:
             loss=_finite(self.last_loss if self.role == "driver" else (host.last_loss if host else None)),
             bytes={k: v for k, v in self.counter.snapshot().items() if k != "total"},
             prior_step=self.prior_step, dp_syncs=host.dp_syncs() if host else 0, shard=self.shard,
-            movable=self.opts.rebalance_after is not None,
+            movable=self.opts.rebalance_after is not None, busy=host.busy() if host else False,
         )
 
     async def announce(self, state: str | None = None) -> None:

@@ -238,13 +238,17 @@ async def _watch(dht, identity, cfg, procs, console: Console, opts: DemoOptions,
                 raise SwarmError(f"training did not finish within {opts.train_timeout:.0f}s")
             await asyncio.sleep(1.0)
     finished = time.time()
-    # wait until every live peer announced after the end (final byte counts)
-    settle = time.monotonic() + 20
+    # final counters: wait until every live peer announced after the end and was idle then (its last step's DP
+    # sync done). Records announced after the end but during that sync undercounted DP (2 of 3 syncs of stage 0
+    # in two real-model demos, docs/swarm.md)
+    settle = time.monotonic() + 60
     while time.monotonic() < settle:
         peers = await client.refresh(full=True)
-        if all(p.updated >= finished for p in peers if p.state == "online"):
+        if all(p.updated >= finished and not p.busy for p in peers if p.state == "online"):
             break
         await asyncio.sleep(0.5)
+    else:
+        console.print("[yellow]some peers were still busy 60 s after training ended: their counters may be short")
     status = status_json(peers, cfg.run_id, cfg.model.stages)
     reader = SwarmReader.__new__(SwarmReader)  # reuse this DHT for the weight fetch
     reader.run_id, reader.dht, reader.client = cfg.run_id, dht, client

@@ -220,6 +220,11 @@ class StageHost:
                 self._done = 0
                 self._cond.notify_all()
 
+    def busy(self) -> bool:
+        """A microbatch in flight, an optimizer step (with its blocking DP sync) running, or a background DP sync
+        not finished: what a reader of the final counters (the demo) waits out."""
+        return self._active > 0 or self._stepping or self._step_due or bool(self.dp is not None and self.dp.pending)
+
     def gate_closed(self) -> bool:
         return not self._admits()
 

@@ -51,6 +51,7 @@ class PeerRecordSchema(pydantic.BaseModel):
     dp_syncs: conint(strict=True, ge=0) | None = None
     shard: conint(strict=True, ge=0, le=65535) | None = None  # a driver's data shard (of dp.replicas)
     movable: StrictBool | None = None  # it moves into a stage left without peers (rebalancing)
+    busy: StrictBool | None = None  # a microbatch, an optimizer step or a DP sync in progress when announced
     version: StrictStr | None = None
     updated: StrictFloat | None = None
 
@@ -112,6 +113,7 @@ class PeerRecord:
     dp_syncs: int = 0
     shard: int | None = None
     movable: bool = False
+    busy: bool = False
     version: str = SOFTWARE_VERSION
     updated: float = 0.0
     owner: str = ""
