@@ -94,6 +94,44 @@ def test_overlapped_sync_does_not_block_and_keeps_local_progress():
     asyncio.run(scenario())
 
 
+def test_a_finished_overlapped_sync_is_applied_at_once_when_the_replica_is_idle(tiny_cfg, cache_dir):
+    """After a run's last step no step boundary comes: a background sync that finishes while the replica is idle
+    is applied then (gate closed meanwhile), not left waiting, so the final weights hold the last average. A
+    replica with a microbatch in flight keeps it for the next boundary."""
+    cfg, host, mod, _, _ = _last_stage_host(tiny_cfg, cache_dir)
+    params = {n: p for n, p in mod.named_parameters() if n.endswith("o_proj.weight")}
+
+    async def scenario():
+        release, calls = asyncio.Event(), []
+        dp = _dp(params, release, calls)
+        dp.host, host.dp = host, dp
+        name = next(iter(params))
+        w = params[name]
+        start = w.detach().clone()
+        with torch.no_grad():
+            w.add_(1.0)  # local training since the start
+        snap = w.detach().clone()
+        await dp.after_step(2)  # due: the rounds run in the background
+        assert 0 in dp.pending and host.busy()  # a background sync pending: the demo's final read waits
+        release.set()
+        await asyncio.wait_for(dp.pending[0], 10.0)  # the task: the rounds, then the apply while idle
+        assert not dp.ready and dp.syncs == 1 and not host.busy()
+        new_start = start - 0.5 * (start - snap)  # outer SGD, lr 0.5, on the (exactly) averaged pseudo-gradient
+        assert torch.allclose(w.detach(), new_start) and torch.allclose(dp.outer.start[name], new_start)
+        # busy (a microbatch in flight): the finished sync waits for the next step boundary
+        release.clear()
+        await dp.after_step(4)
+        host._active = 1
+        release.set()
+        await asyncio.wait_for(dp.pending[0], 10.0)
+        assert len(dp.ready) == 1
+        host._active = 0
+        await dp.after_step(5)
+        assert not dp.ready and dp.syncs == 2
+
+    asyncio.run(scenario())
+
+
 def test_overlapped_schedule_on_the_shared_driver_clock():
     """dp.clock = driver: syncs start when the shared clock crosses a period, whatever this replica's own steps."""
     async def scenario():

@@ -389,6 +389,14 @@ class SwarmDP:
             logger.warning("DP background sync of fragment %d failed: %r", f, exc)
         finally:
             self.pending.pop(f, None)
+        # applied at the next step boundary, or now if the replica is idle: after a run's last step no boundary
+        # comes, and the last sync's average would never reach the weights
+        run_if_idle = getattr(self.host, "run_if_idle", None)
+        if self.ready and run_if_idle is not None:
+            try:
+                await run_if_idle(self.apply_ready)
+            except Exception as exc:
+                logger.warning("DP: applying a finished sync while idle failed: %r", exc)
 
     async def apply_ready(self) -> None:
         """Apply finished background syncs (call with the gate closed: no live autograd graph)."""

@@ -220,6 +220,23 @@ class StageHost:
                 self._done = 0
                 self._cond.notify_all()
 
+    async def run_if_idle(self, work: Callable[[], Awaitable[None]]) -> bool:
+        """Run ``work`` now with the gate closed, if this replica is idle (no microbatch in flight, no step due or
+        running: no live autograd graph that an in-place weight change could break); False, doing nothing, if
+        it is not. What the overlapped DP schedule uses to apply a finished sync without waiting for the next
+        step boundary, which after a run's last step never comes."""
+        async with self._cond:
+            if self._active or self._stepping or self._step_due or self._closed:
+                return False
+            self._stepping = True
+        try:
+            await work()
+            return True
+        finally:
+            async with self._cond:
+                self._stepping = False
+                self._cond.notify_all()
+
     def busy(self) -> bool:
         """A microbatch in flight, an optimizer step (with its blocking DP sync) running, or a background DP sync
         not finished: what a reader of the final counters (the demo) waits out."""
