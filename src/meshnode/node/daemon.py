@@ -349,13 +349,22 @@ class SwarmNode:
             steps = [p.driver_step or 0 for p in self.swarm.peers if p.role == "driver" and p.state == "online"]
             self.driver_step = max([self.driver_step, host.opt_step, self._served_driver_step, *steps])
 
+    async def _stream(self, peer_id: str, method: str, request: dict[str, Any], max_total: int) -> list[dict]:
+        """Every frame of ``peer_id``'s streamed reply to ``{run}.{method}`` (tensor frames, at most ``max_total``
+        bytes of tensor data in all)."""
+        from hivemind.p2p import PeerID
+
+        limits = self.host.limits
+        return await collect_stream(
+            self.swarm.p2p, PeerID.from_base58(peer_id), f"{self.run_id}.{method}", {"run": self.run_id, **request},
+            max_bytes=limits.max_message_bytes, timeout=limits.rpc_timeout, max_total=max_total, size=pieces_bytes,
+        )
+
     async def _load_from_anchor(self) -> bool:
         """Take the stage's weights from an allowed anchor's last cycle (``rpc_stage_weights``): stale by up to
         ``anchor.period`` steps and with a fresh optimizer state, but far closer to the swarm's model than the
         pretrained weights. Only anchors whose record is signed by a key in ``anchor.allowed_keys`` and that have
         run a cycle are asked; whatever they send is checked before any weight changes."""
-        from hivemind.p2p import PeerID
-
         allowed = set(self.cfg.anchor.allowed_keys)
         anchors = [p for p in self.swarm.peers
                    if p.role == "anchor" and p.state == "online" and p.step > 0 and p.owner in allowed]
@@ -363,11 +372,7 @@ class SwarmNode:
         most = sum(t.numel() * 4 for t in host.worker.module.state_dict().values())
         for anchor in sorted(anchors, key=lambda p: -p.step)[:2]:
             try:
-                chunks = await collect_stream(
-                    self.swarm.p2p, PeerID.from_base58(anchor.peer_id), f"{self.run_id}.rpc_stage_weights",
-                    {"run": self.run_id, "stage": self.stage}, max_bytes=host.limits.max_message_bytes,
-                    timeout=host.limits.rpc_timeout, max_total=most, size=pieces_bytes,
-                )
+                chunks = await self._stream(anchor.peer_id, "rpc_stage_weights", {"stage": self.stage}, most)
                 opt_step = chunks[-1].get("opt_step") if chunks else None
                 if not isinstance(opt_step, int) or isinstance(opt_step, bool) or opt_step < 0:
                     raise ValueError(f"bad opt_step {opt_step!r}")
@@ -391,16 +396,9 @@ class SwarmNode:
         """A stage partner's DP outer state of the tensors ``names`` (``start/<name>``, ``velocity/<name>``,
         float32): what this peer takes for a fragment whose start weights have drifted apart
         (:meth:`.dp.SwarmDP._realign`)."""
-        from hivemind.p2p import PeerID
-
-        limits = self.host.limits
         params = dict(self.host.worker.module.named_parameters())
         most = 2 * sum(params[n].numel() * 4 for n in names)  # start + velocity, float32
-        chunks = await collect_stream(
-            self.swarm.p2p, PeerID.from_base58(peer_id), f"{self.run_id}.rpc_get_weights",
-            {"run": self.run_id, "what": "outer", "names": list(names)}, max_bytes=limits.max_message_bytes,
-            timeout=limits.rpc_timeout, max_total=most, size=pieces_bytes,
-        )
+        chunks = await self._stream(peer_id, "rpc_get_weights", {"what": "outer", "names": list(names)}, most)
         state = weights_from_chunks(chunks)
         self.counter.add("dp", sum(t.numel() * t.element_size() for t in state.values()))
         return state

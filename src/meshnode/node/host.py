@@ -168,12 +168,14 @@ class StageHost:
     # ---- the gate and the step clock -------------------------------------------------------
 
     def _admits(self) -> bool:
-        """The gate is open: no step due or running, and fewer than ``train.microbatches`` microbatches taken
-        since the last step. Admitting more (two drivers' microbatches in flight at once on one replica) folded
-        them into one step with their gradients summed: in a tiny demo with two replicas per stage, a stage's
-        replicas took 63 steps between them where the drivers took 80, so their lr schedule and DP clock fell
-        behind and each such step took a double-size gradient."""
-        return not self._step_due and not self._stepping and self._done + self._active < self.cfg.train.microbatches
+        """The gate is open: not closed (:meth:`close`), no step due or running, and fewer than
+        ``train.microbatches`` microbatches taken since the last step. Admitting more (two drivers'
+        microbatches in flight at once on one replica) folded them into one step with their gradients summed:
+        in a tiny demo with two replicas per stage, a stage's replicas took 63 steps between them where the
+        drivers took 80, so their lr schedule and DP clock fell behind and each such step took a double-size
+        gradient."""
+        return (not self._closed and not self._step_due and not self._stepping
+                and self._done + self._active < self.cfg.train.microbatches)
 
     async def _enter(self, timeout: float | None) -> None:
         """Take a place in the current step, waiting at the gate; after ``timeout`` seconds (None: forever) the
@@ -226,7 +228,7 @@ class StageHost:
         it is not. What the overlapped DP schedule uses to apply a finished sync without waiting for the next
         step boundary, which after a run's last step never comes."""
         async with self._cond:
-            if self._active or self._stepping or self._step_due or self._closed:
+            if not self._quiet() or self._closed:
                 return False
             self._stepping = True
         try:
@@ -240,7 +242,11 @@ class StageHost:
     def busy(self) -> bool:
         """A microbatch in flight, an optimizer step (with its blocking DP sync) running, or a background DP sync
         not finished: what a reader of the final counters (the demo) waits out."""
-        return self._active > 0 or self._stepping or self._step_due or bool(self.dp is not None and self.dp.pending)
+        return not self._quiet() or bool(self.dp is not None and self.dp.pending)
+
+    def _quiet(self) -> bool:
+        """No microbatch in flight and no optimizer step due or running."""
+        return self._active == 0 and not self._stepping and not self._step_due
 
     def gate_closed(self) -> bool:
         return not self._admits()
