@@ -1,9 +1,9 @@
 """Seconds that ``dp.v_correction`` adds to one replica's optimizer step of SmolLM2-135M, against AdamW's own step.
 
 The tracker (:class:`meshnode.optim.MicrobatchNoise`) runs ``after_microbatch`` once per microbatch, ``variance``
-before clipping, ``after_step`` after the AdamW step and ``reset``; all of it is elementwise work on parameter-sized
-fp32 buffers, so its cost is memory traffic. The parameters are SmolLM2-135M's shapes (30 layers, the embedding
-once), random, with random gradients; no model is loaded.
+before clipping, ``before_step`` and ``after_step`` around the AdamW step and ``reset``; all of it is
+elementwise work on parameter-sized fp32 buffers, so its cost is memory traffic. The parameters are
+SmolLM2-135M's shapes (30 layers, the embedding once), random, with random gradients; no model is loaded.
 
     python scripts/bench_noise.py --microbatches 2 --repeats 5 --out /tmp/noise.json
 """
@@ -44,7 +44,7 @@ def main() -> None:
     plist = list(params.values())
     n_params = sum(p.numel() for p in plist)
     opt = torch.optim.AdamW(plist, lr=1e-4, foreach=True)
-    noise = MicrobatchNoise(params, replicas=2)
+    noise = MicrobatchNoise(params, replicas=2, microbatches=args.microbatches)
     g = torch.Generator().manual_seed(1)
     grads = [[(torch.randn(p.shape, generator=g) * 1e-3).to(dev) for p in plist] for _ in range(args.microbatches)]
 
@@ -52,8 +52,16 @@ def main() -> None:
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    times: dict[str, list[float]] = {"after_microbatch": [], "variance": [], "adamw_step": [], "after_step": [],
-                                     "reset": []}
+    def clock(t: dict[str, float], name: str, fn, *args):
+        sync()
+        t0 = time.perf_counter()
+        out = fn(*args)
+        sync()
+        t[name] += time.perf_counter() - t0
+        return out
+
+    times: dict[str, list[float]] = {"after_microbatch": [], "variance": [], "before_step": [], "adamw_step": [],
+                                     "after_step": [], "reset": []}
     for rep in range(args.repeats + 1):  # the first round allocates the buffers and AdamW's state: not timed
         t = {k: 0.0 for k in times}
         for p in plist:
@@ -69,19 +77,10 @@ def main() -> None:
             noise.after_microbatch()
             sync()
             t["after_microbatch"] += time.perf_counter() - t0
-        for name, fn in (("variance", noise.variance), ("adamw_step", opt.step)):
-            sync()
-            t0 = time.perf_counter()
-            out = fn()
-            sync()
-            t[name] += time.perf_counter() - t0
-            if name == "variance":
-                variance = out
-        sync()
-        t0 = time.perf_counter()
-        noise.after_step(opt, variance, 0.5)
-        sync()
-        t["after_step"] += time.perf_counter() - t0
+        variance = clock(t, "variance", noise.variance)
+        clock(t, "before_step", noise.before_step, opt, variance, 0.5)
+        clock(t, "adamw_step", opt.step)
+        clock(t, "after_step", noise.after_step, opt)
         del variance
         t0 = time.perf_counter()
         noise.reset()
@@ -91,16 +90,21 @@ def main() -> None:
             for k in times:
                 times[k].append(t[k])
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-    overhead = med["after_microbatch"] + med["variance"] + med["after_step"] + med["reset"]
+    overhead = med["after_microbatch"] + med["variance"] + med["before_step"] + med["after_step"] + med["reset"]
+    buffers = {t.data_ptr(): t.numel() * t.element_size()
+               for d in (noise._prev, noise._sq, noise.ema_var) for t in d.values()}
     for k, v in med.items():
         print(f"{k:>17}: {v:.3f} s (median of {args.repeats})")
     print(f"v_correction total: {overhead:.3f} s per step = {overhead / med['adamw_step']:.2f}x AdamW's step "
           f"({n_params / 1e6:.1f}M parameters, M = {args.microbatches}, {args.threads} threads, {dev})")
+    held_bytes = sum(buffers.values())
+    print(f"buffers held: {held_bytes / 2**30:.2f} GiB = {held_bytes / n_params:.1f} B/parameter")
     if args.out:
         rec = {"command": "python scripts/bench_noise.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
             "platform": platform.platform(), "torch": torch.__version__, "params": n_params,
-            "median_s": med, "overhead_s": overhead, "overhead_vs_adamw": overhead / med["adamw_step"]}
+            "median_s": med, "overhead_s": overhead, "overhead_vs_adamw": overhead / med["adamw_step"],
+            "buffer_bytes": sum(buffers.values()), "buffer_bytes_per_param": sum(buffers.values()) / n_params}
         with open(args.out, "w") as f:
             json.dump(rec, f, indent=1)
 

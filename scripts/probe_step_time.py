@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from quality_table import DP, MB2  # noqa: E402
 
-TIMED = {MicrobatchNoise: ("after_microbatch", "variance", "after_step", "reset"),
+TIMED = {MicrobatchNoise: ("after_microbatch", "variance", "before_step", "after_step", "reset"),
          StageWorker: ("forward", "backward", "step")}
 
 

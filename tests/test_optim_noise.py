@@ -34,29 +34,103 @@ def test_variance_is_the_unbiased_variance_of_the_mean():
     assert noise.variance() == {}  # one microbatch: no estimate
 
 
+def _step(opt, noise: MicrobatchNoise, variance: dict, scale: float = 1.0) -> int:
+    """What a worker does after clipping: the tracker, AdamW's step, the tracker."""
+    noise.before_step(opt, variance, scale)
+    opt.step()
+    return noise.after_step(opt)
+
+
 def test_after_step_sets_v_to_the_formula():
+    """v = max(A - (1 - 1/X) B, A / 2X) with A the plain EMA of g^2 (not stored: derived from v and B), also
+    across a change of X (the swarm's group size), which must not disturb A."""
     torch.manual_seed(1)
     p = torch.nn.Parameter(torch.randn(4, 3))
     opt = torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.95))
     noise = MicrobatchNoise({"w": p}, replicas=2)
     v_plain = torch.zeros(4, 3)
     b = torch.zeros(4, 3)
-    for step in range(4):
+    for step in range(6):
+        x = 2 if step < 3 else 4
+        noise.replicas = x
         g = torch.randn(4, 3) * 0.1
         var = torch.rand(4, 3) * 1e-2 if step != 2 else torch.ones(4, 3)  # step 2: a huge estimate: the floor acts
         p.grad = g.clone()
-        opt.step()
-        assert noise.after_step(opt, {"w": var}, scale=0.8) == 1
+        assert _step(opt, noise, {"w": var.clone()}, scale=0.8) == 1
         v_plain = 0.95 * v_plain + 0.05 * g.square()
         b = 0.95 * b + 0.05 * 0.64 * var
-        want = torch.maximum(v_plain - 0.5 * b, v_plain / 4)
+        want = torch.maximum(v_plain - (1 - 1 / x) * b, v_plain / (2 * x))
         assert torch.allclose(opt.state[p]["exp_avg_sq"], want, rtol=1e-5, atol=1e-12), step
         if step == 2:
             assert torch.equal(want, v_plain / 4)
     p.grad = torch.randn(4, 3)
-    opt.step()
-    assert noise.after_step(opt, {}, 1.0) == 0  # no estimate (one microbatch): AdamW's own v, EMAs dropped
-    assert noise.ema_g2 == {} and noise.ema_var == {}
+    assert _step(opt, noise, {}) == 0  # no estimate (one microbatch): AdamW's own v, the EMA dropped
+    assert noise.ema_var == {}
+    v_carried = opt.state[p]["exp_avg_sq"].clone()
+    g = torch.randn(4, 3) * 0.1
+    p.grad = g.clone()
+    var = torch.rand(4, 3) * 1e-2
+    assert _step(opt, noise, {"w": var.clone()}) == 1  # estimates back: A restarts from AdamW's v, B from zero
+    a = 0.95 * v_carried + 0.05 * g.square()
+    assert torch.allclose(opt.state[p]["exp_avg_sq"], torch.maximum(a - 0.75 * 0.05 * var, a / 8), rtol=1e-5)
+
+
+def test_two_microbatches_take_two_buffers_and_agree_with_the_general_path():
+    """At M = 2 the tracker keeps B and one scratch buffer per tensor (8 bytes per parameter), the general path
+    one more; both give the same variance and the same corrected v."""
+    torch.manual_seed(3)
+    shape = (6, 5)
+    ps = {k: torch.nn.Parameter(torch.zeros(shape)) for k in ("pair", "general")}
+    opts = {k: torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.95)) for k, p in ps.items()}
+    trackers = {"pair": MicrobatchNoise({"w": ps["pair"]}, 2, microbatches=2),
+                "general": MicrobatchNoise({"w": ps["general"]}, 2)}
+    for step in range(5):
+        mbs = [torch.randn(shape) * 0.1 + 0.05 for _ in range(2)]
+        variances = {}
+        for k, noise in trackers.items():
+            noise.reset()
+            _accumulate(ps[k], noise, mbs)
+            variances[k] = noise.variance()["w"].clone()
+            _step(opts[k], noise, noise.variance(), scale=0.9)
+        assert torch.allclose(variances["pair"], variances["general"], rtol=1e-4, atol=1e-9), step
+        assert torch.allclose(opts["pair"].state[ps["pair"]]["exp_avg_sq"],
+                              opts["general"].state[ps["general"]]["exp_avg_sq"], rtol=1e-4, atol=1e-12), step
+
+    def buffers(noise):
+        return {t.data_ptr() for d in (noise._prev, noise._sq, noise.ema_var) for t in d.values()}
+
+    assert len(buffers(trackers["pair"])) == 2 and len(buffers(trackers["general"])) == 3
+    # a third microbatch where two were declared: no estimate for that step, and no crash
+    noise = trackers["pair"]
+    noise.reset()
+    _accumulate(ps["pair"], noise, [torch.randn(shape) for _ in range(3)])
+    assert noise.variance() == {}
+    noise.reset()
+    _accumulate(ps["pair"], noise, [torch.randn(shape) for _ in range(2)])
+    assert set(noise.variance()) == {"w"}
+
+
+def test_a_state_round_trip_continues_bit_for_bit():
+    torch.manual_seed(4)
+    runs = []
+    for split in (False, True):
+        torch.manual_seed(4)
+        p = torch.nn.Parameter(torch.zeros(5, 4))
+        opt = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.95))
+        noise = MicrobatchNoise({"w": p}, 4, microbatches=2)
+        for step in range(4):
+            if split and step == 2:  # a restart: a new tracker and optimizer from the saved states
+                saved_opt, saved = opt.state_dict(), noise.state_dict()
+                opt = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.95))
+                opt.load_state_dict(saved_opt)
+                noise = MicrobatchNoise({"w": p}, 2, microbatches=2)
+                noise.load_state_dict(saved)
+                noise.replicas = 4
+            noise.reset()
+            _accumulate(p, noise, [torch.randn(5, 4) * 0.1 for _ in range(2)])
+            _step(opt, noise, noise.variance())
+        runs.append((p.detach().clone(), opt.state[p]["exp_avg_sq"].clone()))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
 
 
 @pytest.mark.parametrize("x", [2, 4])
@@ -71,15 +145,14 @@ def test_corrected_v_matches_the_group_batch(x):
     corr = torch.nn.Parameter(torch.zeros(n))
     opt_plain = torch.optim.AdamW([plain], lr=0.0, betas=(0.9, beta2))
     opt_corr = torch.optim.AdamW([corr], lr=0.0, betas=(0.9, beta2))
-    noise = MicrobatchNoise({"w": corr}, replicas=x)
+    noise = MicrobatchNoise({"w": corr}, replicas=x, microbatches=m)
     for _ in range(steps):
         mbs = [mu + s2 ** 0.5 * torch.randn(n) for _ in range(m)]
         noise.reset()
         _accumulate(corr, noise, mbs)
         plain.grad = corr.grad.clone()
         opt_plain.step()
-        opt_corr.step()
-        noise.after_step(opt_corr, noise.variance())
+        _step(opt_corr, noise, noise.variance())
     mean_plain = float(opt_plain.state[plain]["exp_avg_sq"].mean())
     mean_corr = float(opt_corr.state[corr]["exp_avg_sq"].mean())
     assert mean_plain == pytest.approx(mu ** 2 + s2 / m, rel=0.05)

@@ -9,69 +9,96 @@ fifteenth session: with the moments and the weights averaged after every step, t
 still differs from one batch-8 AdamW is this ``v``, and the gap was still +1.2 %).
 
 A replica that accumulates M >= 2 microbatches per step can estimate ``s^2`` per coordinate from the
-spread of its microbatch gradients. After each AdamW step it keeps ``A``, the EMA of ``g^2`` (AdamW's own
-``v``), and ``B``, the EMA of the estimate, both with AdamW's beta2 from zero, and sets AdamW's ``v`` to
-``max(A - (1 - 1/X) B, A / (2X))``: the group batch's second moment, floored at half the pure-noise limit
-(a ``v`` near 0 under a nonzero momentum would step ``lr * m / eps``; a floor at the limit itself bound
-often enough, the estimate being noisy, to bias pure-noise ``v`` 10 % high at X = 2). One step's estimate
-has M - 1 degrees of freedom; the EMA averages it over ~1 / (1 - beta2) steps. The step that adds a
-``g^2`` uses it before its own correction (the correction follows the step): one step's share, 1 - beta2,
-of ``v``. Pure tensor code.
+spread of its microbatch gradients. It keeps ``A``, the EMA of ``g^2`` (AdamW's own, uncorrected ``v``),
+and ``B``, the EMA of the estimate, both with AdamW's beta2 from zero, and after each AdamW step sets
+AdamW's ``v`` to ``max(A - (1 - 1/X) B, A / (2X))``: the group batch's second moment, floored at half the
+pure-noise limit (a ``v`` near 0 under a nonzero momentum would step ``lr * m / eps``; a floor at the limit
+itself bound often enough, the estimate being noisy, to bias pure-noise ``v`` 10 % high at X = 2). One
+step's estimate has M - 1 degrees of freedom; the EMA averages it over ~1 / (1 - beta2) steps. The step
+that adds a ``g^2`` uses it before its own correction (the correction follows the step): one step's share,
+1 - beta2, of ``v``. Pure tensor code.
+
+Memory: ``A`` is not stored. The corrected ``v`` (in AdamW's state) and ``B`` determine it: ``A`` is at most
+both ``v + (1 - 1/X) B`` and ``2X v``, and equal to the one the max picked, so ``A = min(v + (1 - 1/X) B,
+2X v)``. Before each step the tracker saves ``A - v`` (AdamW's step overwrites ``v``), and after it ``A``
+is AdamW's new ``v`` plus beta2 times that. So the correction holds ``B`` and one scratch buffer per tensor
+at M = 2 (the two microbatches' difference needs only the first one's gradient), one more at M > 2:
+8 bytes per parameter instead of the 16 it took with ``A`` and a sum of squares stored.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from torch import Tensor
+
+logger = logging.getLogger(__name__)
 
 
 class MicrobatchNoise:
     """Per-coordinate variance of a step's accumulated gradient, from its microbatches' gradients.
 
     Call :meth:`after_microbatch` after each microbatch's backward (``p.grad`` then holds the sum of the
-    microbatch gradients so far, each already divided by M), :meth:`variance` before clipping, and
-    :meth:`after_step` after the optimizer step (before the gradients are zeroed), then :meth:`reset`.
-    Costs four parameter-sized fp32 buffers per tensor, allocated once: every pass over them is in place
+    microbatch gradients so far, each already divided by M), :meth:`variance` before clipping,
+    :meth:`before_step` after clipping, :meth:`after_step` after the optimizer step, then :meth:`reset`
+    (also after a step that raised). Every pass over the buffers is in place, and they are allocated once
     (``scripts/bench_noise.py`` measures what a step costs).
 
     :param replicas: X, the DP group size the second moment is corrected to (the swarm sets it to the size
-        of the group its last DP sync averaged with)."""
+        of the group its last DP sync averaged with).
+    :param microbatches: M, when every step has that many: at M = 2 the tracker keeps one scratch buffer per
+        tensor instead of two (a step with more microbatches than that gets no estimate)."""
 
-    def __init__(self, params: dict[str, torch.nn.Parameter], replicas: int):
+    def __init__(self, params: dict[str, torch.nn.Parameter], replicas: int, microbatches: int | None = None):
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         self.params = params
         self._names = {id(q): n for n, q in params.items()}  # the optimizer's groups hold the tensors, not names
         self.replicas = replicas
-        self._prev: dict[str, Tensor] = {}  # the step's gradient so far (fp32); after_step's scratch
-        self._sq: dict[str, Tensor] = {}  # sum of the microbatch shares squared; variance() turns it into s2_hat
+        self._pair = microbatches == 2
+        # the step's gradient so far (fp32); at M = 2 the first microbatch's, which variance() turns into s2_hat
+        self._prev: dict[str, Tensor] = {}
+        self._sq: dict[str, Tensor] = {}  # M != 2: sum of the microbatch shares squared, turned into s2_hat
         self._touched: set[str] = set()  # tensors with a gradient since the last reset
         self._variance: dict[str, Tensor] | None = None  # set by variance() until the next reset
+        self._extra = False  # M = 2 declared and a third microbatch came: no estimate this step
         self.count = 0
-        self.ema_g2: dict[str, Tensor] = {}  # A
         self.ema_var: dict[str, Tensor] = {}  # B
+        self._applied = replicas  # the X of the last correction, which A's reconstruction must use
+        # between before_step and after_step: name -> (buffer holding A - v, or None where A starts from v)
+        self._pending: dict[str, tuple[Tensor, bool]] | None = None
+
+    def _scratch(self) -> dict[str, Tensor]:
+        """The dict whose buffers variance() fills (and before_step trades for B's)."""
+        return self._prev if self._pair else self._sq
 
     @torch.no_grad()
     def after_microbatch(self) -> None:
-        if self._variance is not None:
-            raise RuntimeError("after_microbatch after variance(): call reset() first")
+        if self._variance is not None or self._pending is not None:
+            raise RuntimeError("after_microbatch after variance() or before_step(): call reset() first")
         first, rest = [], []
         for n, p in self.params.items():
             if p.grad is None:
                 continue
             if n not in self._prev:
                 self._prev[n] = torch.zeros_like(p, dtype=torch.float32)
-                self._sq[n] = torch.zeros_like(self._prev[n])
+                if not self._pair:
+                    self._sq[n] = torch.zeros_like(self._prev[n])
             (rest if n in self._touched else first).append(n)
         # a tensor's first gradient since the reset is its whole share so far (the microbatches before gave it
         # none): the buffers are overwritten, so reset() need not zero them
         for n in first:
             g = self.params[n].grad.detach()
             self._prev[n].copy_(g)
-            torch.mul(self._prev[n], self._prev[n], out=self._sq[n])
-        if rest:
+            if not self._pair:
+                torch.mul(self._prev[n], self._prev[n], out=self._sq[n])
+        if rest and self._pair:
+            if self.count >= 2 and not self._extra:
+                logger.warning("v_correction: a step with more than the 2 microbatches declared gets no estimate")
+                self._extra = True
+        elif rest:
             grads = [self.params[n].grad.detach() for n in rest]
             prevs, sqs = [self._prev[n] for n in rest], [self._sq[n] for n in rest]
             torch._foreach_sub_(prevs, grads)  # minus this microbatch's share, -g_j / M
@@ -84,78 +111,128 @@ class MicrobatchNoise:
     def variance(self) -> dict[str, Tensor]:
         """``name -> s2_hat``: the unbiased variance estimate of the step's gradient (the mean of the M
         microbatch gradients), from the last :meth:`reset` on; empty with fewer than two microbatches. The
-        tensors are the tracker's buffers, valid until :meth:`after_step` or :meth:`reset` (computed once:
-        a second call returns the same dict)."""
+        tensors are the tracker's buffers, valid until :meth:`before_step` or :meth:`reset` (computed once:
+        a second call returns the same dict). Call it before clipping: at M = 2 it reads ``p.grad``."""
         m = self.count
-        if m < 2:
+        if m < 2 or self._extra:
             return {}
         if self._variance is None:
-            # microbatch j's own gradient is g_j = M * delta_j, the step's gradient g = sum_j delta_j; the variance
-            # of g (a mean of M) is sum_j (g_j - g)^2 / (M (M - 1)) = (M * sum_j delta_j^2 - g^2) / (M - 1)
             names = sorted(self._touched)
-            sqs, prevs = [self._sq[n] for n in names], [self._prev[n] for n in names]
-            torch._foreach_mul_(sqs, m / (m - 1))
-            torch._foreach_addcmul_(sqs, prevs, prevs, value=-1.0 / (m - 1))
-            torch._foreach_clamp_min_(sqs, 0.0)
-            self._variance = dict(zip(names, sqs))
+            if self._pair:
+                # g = d1 + d2 (each share g_j / 2): the variance of the mean of two is (g_1 - g_2)^2 / 4 =
+                # (d1 - d2)^2 = (2 d1 - g)^2; a tensor first touched by the second microbatch holds g (d1 = 0)
+                prevs = [self._prev[n] for n in names]
+                torch._foreach_mul_(prevs, 2.0)
+                torch._foreach_sub_(prevs, [self.params[n].grad.detach() for n in names])
+                torch._foreach_mul_(prevs, prevs)
+                self._variance = dict(zip(names, prevs))
+            else:
+                # microbatch j's own gradient is g_j = M * delta_j, the step's gradient g = sum_j delta_j; the variance
+                # of g (a mean of M) is sum_j (g_j - g)^2 / (M (M - 1)) = (M * sum_j delta_j^2 - g^2) / (M - 1)
+                sqs, prevs = [self._sq[n] for n in names], [self._prev[n] for n in names]
+                torch._foreach_mul_(sqs, m / (m - 1))
+                torch._foreach_addcmul_(sqs, prevs, prevs, value=-1.0 / (m - 1))
+                torch._foreach_clamp_min_(sqs, 0.0)
+                self._variance = dict(zip(names, sqs))
         return self._variance
 
     def reset(self) -> None:
-        """Forget the microbatches of the step (the EMAs stay; the buffers are kept for the next step)."""
+        """Forget the microbatches of the step (the EMAs stay; the buffers are kept for the next step). After a
+        step that raised between :meth:`before_step` and :meth:`after_step`, ``B`` keeps the failed step's
+        estimate and ``v`` is whatever the failed step left: the correction goes on from there."""
         self._touched.clear()
         self._variance = None
+        self._pending = None
+        self._extra = False
         self.count = 0
 
-    @torch.no_grad()
-    def after_step(self, optimizer: torch.optim.Optimizer, variance: dict[str, Tensor], scale: float = 1.0) -> int:
-        """Fold this step into the EMAs and set AdamW's ``exp_avg_sq`` of each tensor with an estimate.
-
-        ``variance``: from :meth:`variance`, taken before clipping; ``scale``: the clip factor the gradient
-        was multiplied by (the variance scales by its square). ``p.grad`` must still hold the gradient the
-        step used. Tensors without an estimate this step (none with M < 2) keep AdamW's ``v``, and their EMAs
-        lapse (they restart from AdamW's ``v`` when estimates come back). Returns how many were corrected.
-        The tracker's own buffers serve as scratch: :meth:`variance`'s tensors are spent afterwards."""
-        x = self.replicas  # read once: the swarm's DP sets it from the event loop
-        excess = 1.0 - 1.0 / x
-        floor = 1.0 / (2 * x)
-        done = 0
+    def _tensors(self, optimizer: torch.optim.Optimizer):
+        """(name, parameter, beta2, AdamW's v or None) of every tracked tensor the optimizer holds."""
         for group in optimizer.param_groups:
             beta2 = group["betas"][1]
             for p in group["params"]:
                 n = self._names.get(id(p))
-                st = optimizer.state.get(p)
-                var = variance.get(n) if n is not None else None
-                if var is None or p.grad is None or not st or "exp_avg_sq" not in st:
-                    if n is not None:
-                        self.ema_g2.pop(n, None)
-                        self.ema_var.pop(n, None)
-                    continue
-                v = st["exp_avg_sq"]
-                a = self.ema_g2.get(n)
-                if a is None:  # AdamW's v already holds this step's g^2; the variance EMA starts with it
-                    a = self.ema_g2[n] = v.detach().float().clone()
-                    b = self.ema_var[n] = (1 - beta2) * scale * scale * var
+                if n is not None:
+                    st = optimizer.state.get(p)
+                    yield n, p, beta2, (st.get("exp_avg_sq") if st else None)
+
+    @torch.no_grad()
+    def before_step(self, optimizer: torch.optim.Optimizer, variance: dict[str, Tensor], scale: float = 1.0) -> None:
+        """Fold this step's estimate into ``B`` and save ``A - v`` before AdamW overwrites ``v``.
+
+        ``variance``: from :meth:`variance` (its tensors are spent here); ``scale``: the clip factor the gradient
+        was multiplied by (the variance scales by its square). Tensors without an estimate this step (none with
+        M < 2) keep AdamW's ``v``, and their EMA lapses (it restarts from AdamW's ``v`` when estimates come
+        back); so does a tensor whose optimizer state was dropped."""
+        x = self._applied  # A - v as the last correction left it: with the X it used
+        excess, cap = 1.0 - 1.0 / x, 2.0 * x - 1.0
+        scratch = self._scratch()
+        pending: dict[str, tuple[Tensor, bool]] = {}
+        for n, p, beta2, v in self._tensors(optimizer):
+            var = variance.get(n)
+            b = self.ema_var.get(n)
+            if var is None or p.grad is None:
+                self.ema_var.pop(n, None)
+                continue
+            if b is None or v is None:  # B starts from zero; A from AdamW's v after the step
+                b = torch.empty_like(var)
+                var.mul_((1 - beta2) * scale * scale)
+                pending[n] = (b, False)
+            else:
+                # B_t = beta2 B + (1 - beta2) s2 into the estimate's buffer; A - v = min(excess B, (2X - 1) v) into B's
+                var.mul_((1 - beta2) * scale * scale).add_(b, alpha=beta2)
+                b.mul_(excess / cap)
+                if v.dtype == b.dtype:
+                    torch.minimum(b, v, out=b)
                 else:
-                    a.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                    b = self.ema_var[n]
-                    b.mul_(beta2).add_(var, alpha=(1 - beta2) * scale * scale)
-                # v = max(A - (1 - 1/X) B, A / 2X), with the step's gradient copy as scratch for the floor
-                lo = self._prev[n] if n in self._touched else torch.empty_like(a)
-                torch.mul(a, floor, out=lo)
-                if v.dtype == torch.float32:
-                    torch.add(a, b, alpha=-excess, out=v)
-                    torch.maximum(v, lo, out=v)
-                else:
-                    v.copy_(torch.maximum(a - excess * b, lo))
-                done += 1
+                    b.copy_(torch.minimum(b, v.float()))
+                b.mul_(cap)
+                pending[n] = (b, True)
+            self.ema_var[n], scratch[n] = var, b  # the two buffers trade places
+        self._variance = None
+        self._pending = pending
+
+    @torch.no_grad()
+    def after_step(self, optimizer: torch.optim.Optimizer) -> int:
+        """Set AdamW's ``exp_avg_sq`` of each tensor :meth:`before_step` took an estimate for to the corrected
+        ``v``, with the current X. Returns how many were corrected."""
+        pending, self._pending = self._pending, None
+        if not pending:
+            return 0
+        x = self.replicas  # read once: the swarm's DP sets it from the event loop
+        excess, floor = 1.0 - 1.0 / x, 1.0 / (2 * x)
+        done = 0
+        for n, _, beta2, v in self._tensors(optimizer):
+            if n not in pending:
+                continue
+            if v is None:
+                self.ema_var.pop(n, None)
+                continue
+            a, carried = pending[n]
+            if carried:  # A = v (AdamW's, after its step) + beta2 (A - v) of before it
+                a.mul_(beta2).add_(v)
+            else:
+                a.copy_(v)
+            b = self.ema_var[n]
+            # v = max(A - (1 - 1/X) B, A / 2X); A's buffer is scratch afterwards
+            if v.dtype == a.dtype:
+                torch.add(a, b, alpha=-excess, out=v)
+                torch.maximum(v, a.mul_(floor), out=v)
+            else:
+                v.copy_(torch.maximum(a - excess * b, a * floor))
+            done += 1
+        self._applied = x
         return done
 
     def state_dict(self) -> dict[str, Any]:
-        return {"ema_g2": dict(self.ema_g2), "ema_var": dict(self.ema_var)}
+        return {"ema_var": dict(self.ema_var), "replicas": self._applied}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.ema_g2 = {n: t.clone() for n, t in state["ema_g2"].items()}
+        """``B`` and the X of the last correction (a state from before ``A`` was derived also holds
+        ``ema_g2``, which is not needed)."""
         self.ema_var = {n: t.clone() for n, t in state["ema_var"].items()}
+        self._applied = int(state.get("replicas", self.replicas))
+        self._pending = None
 
 
 __all__ = ["MicrobatchNoise"]

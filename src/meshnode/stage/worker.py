@@ -90,7 +90,7 @@ class StageWorker:
             named, cfg.spectral, max_staleness=cfg.anchor.max_staleness, lr=t.lr, betas=tuple(t.betas), eps=t.eps,
             weight_decay=t.weight_decay, ema_init=cfg.spectral.ema_init,
         )
-        self.noise = MicrobatchNoise(dict(named), cfg.dp.replicas) if cfg.dp.v_correction else None
+        self.noise = MicrobatchNoise(dict(named), cfg.dp.replicas, t.microbatches) if cfg.dp.v_correction else None
         self.in_flight: dict[MicrobatchId, _InFlight] = {}
         self.step_stats = StepStats()
         self.masked = True  # the anchor turns masking off on its own workers
@@ -211,10 +211,12 @@ class StageWorker:
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            self.optimizer.step(step)
             if self.noise is not None:
                 scale = min(1.0, clip / (grad_norm + 1e-6)) if params and clip > 0 else 1.0  # clip_grad_norm_'s
-                self.noise.after_step(self.optimizer, variance, scale)
+                self.noise.before_step(self.optimizer, variance, scale)
+            self.optimizer.step(step)
+            if self.noise is not None:
+                self.noise.after_step(self.optimizer)
         except BaseException:
             if self.noise is not None:  # the next microbatches start a fresh estimate (their gradients add to these)
                 self.noise.reset()
@@ -235,8 +237,8 @@ class StageWorker:
 
     def load_optimizer_state(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
-        if self.noise is not None and "noise" in state:
-            self.noise.load_state_dict(state["noise"])
+        if self.noise is not None:  # a state without the EMA (saved without the correction) restarts it
+            self.noise.load_state_dict(state.get("noise", {"ema_var": {}}))
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
