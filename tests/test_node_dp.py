@@ -52,6 +52,7 @@ def _dp(params, release: asyncio.Event, calls: list):
     dp.fetch_outer = None
     dp.group_sizes = []
     dp.partners = lambda: 1
+    dp.recheck = None
     dp.keep_log, dp.log, dp.log_seq = False, [], 0
     dp._round_lock = asyncio.Lock()
 
@@ -255,7 +256,7 @@ def _logging_dp(params, maxlen: int):
     dp.frags = [["w"], ["b"]]
     dp.outer = OuterNesterov(params, lr=0.7, momentum=0.9)
     dp.psgd = PowerSGDState(2, quantize=True)
-    dp.syncs, dp.group_sizes, dp.partners = 0, [], lambda: 0
+    dp.syncs, dp.group_sizes, dp.partners, dp.recheck = 0, [], lambda: 0, None
     dp.keep_log, dp.log, dp.log_seq = True, deque(maxlen=maxlen), 0
     dp.log_epoch, dp.log_base = "e1", "pretrained"
     dp._average = alone
@@ -690,6 +691,52 @@ def test_the_correction_follows_the_group_the_last_sync_met():
         dp.partners = lambda: 1
         await dp.sync(0)
         assert noise.replicas == 2
+    asyncio.run(scenario())
+
+
+def test_a_peer_that_sees_no_partner_rereads_the_records_before_syncing_alone():
+    """A sync made alone moves this peer's start where no partner's is; a first-holder copy of the records can
+    lack a partner that is there. So before a sync alone the peer re-reads the records: a partner found then
+    gets the sync paired; none found, the sync is made alone; with a partner already seen, no re-read."""
+    from meshnode.node.dp import SwarmDP
+
+    async def scenario():
+        params = {"w": torch.ones(3, 2)}
+        dp = _dp(params, asyncio.Event(), [])
+        dp.overlap = False
+        seen = {"partners": 0, "rechecks": 0, "found": True}
+
+        async def recheck():
+            seen["rechecks"] += 1
+            if seen["found"]:
+                seen["partners"] = 1
+
+        async def average(tensors, tag, paired=False, fingerprint=None):  # SwarmDP's own gate, then a pair
+            if not paired and dp.partners() < 1:
+                return tensors, frozenset()
+            return tensors, frozenset({"me", "partner"})
+
+        dp.partners = lambda: seen["partners"]
+        dp.recheck = recheck
+        dp._average = average
+        dp._fingerprint = lambda f: None
+        dp._start_leader = SwarmDP._start_leader.__get__(dp)
+        dp._gathered = {}
+        await dp.sync(0)
+        assert seen["rechecks"] == 1 and dp.group_sizes == [2]  # found on the re-read: paired
+        await dp.sync(0)
+        assert seen["rechecks"] == 1 and dp.group_sizes == [2, 2]  # seen already: no re-read
+        seen["partners"], seen["found"] = 0, False
+
+        async def failing():
+            seen["rechecks"] += 1
+            raise RuntimeError("DHT unreachable")
+
+        dp.recheck = failing
+        await dp.sync(0)  # the re-read fails: logged, and the sync goes on alone
+        dp.recheck = recheck
+        await dp.sync(0)
+        assert seen["rechecks"] == 3 and dp.group_sizes == [2, 2, 1, 1]
     asyncio.run(scenario())
 
 

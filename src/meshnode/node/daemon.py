@@ -468,7 +468,7 @@ class SwarmNode:
 
             self.host.dp = SwarmDP(self.host, self.swarm.dht, self.run_id, self.counter,
                                    partners=lambda: self.swarm.recent_partners(self.stage), clock=self._dp_clock,
-                                   fetch_outer=self._fetch_outer)
+                                   fetch_outer=self._fetch_outer, recheck=self.swarm.refresh_full)
             self.host.after_step_hooks.append(self.host.dp.after_step)
         await self._load_initial_state(ckpt)
         self.servicer = StageServicer(self.host, self.host.limits.max_message_bytes)

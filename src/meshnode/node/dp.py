@@ -123,13 +123,15 @@ class SwarmDP:
     def __init__(self, host, dht, run_id: str, counter, partners: Callable[[], int] = lambda: 1,
                  matchmaking_time: float | None = None, round_timeout: float | None = None,
                  clock: Callable[[], int] | None = None,
-                 fetch_outer: Callable[[str, list[str]], Awaitable[dict[str, torch.Tensor]]] | None = None):
+                 fetch_outer: Callable[[str, list[str]], Awaitable[dict[str, torch.Tensor]]] | None = None,
+                 recheck: Callable[[], Awaitable[Any]] | None = None):
         from hivemind.averaging import DecentralizedAverager
 
         cfg = host.cfg.dp
         self.host = host
         self.counter = counter
         self.partners = partners
+        self.recheck = recheck  # re-reads the swarm's records before a sync made alone (see _rounds)
         self.H = cfg.inner_steps
         self.params = dict(host.worker.module.named_parameters())
         names = list(self.params)
@@ -227,6 +229,16 @@ class SwarmDP:
         pseudo-gradient, from the same start, holds it). A peer with no partner at all syncs alone, as the
         mesh does with one replica (and the anchor can follow it through the DP log)."""
         host = self.host
+        if self.partners() < 1 and self.recheck is not None:
+            # syncing alone moves this peer's start where no partner's is (healed only when a later P round pairs
+            # and compares fingerprints): first make sure with a fresh read of every holder's records. A
+            # first-holder copy can lack a partner that is there; in a tiny overlapped demo one driver saw none
+            # for its whole run (5 s, under one full-read period) and synced alone 6 times while its partner
+            # waited for it in every round
+            try:
+                await self.recheck()
+            except Exception as exc:
+                logger.info("DP fragment %d: re-reading the records before a sync alone failed: %r", f, exc)
         p = await host.run(self.psgd.phase_p, pseudo)
         mine = await host.run(self._fingerprint, f)
         self._gathered = {}

@@ -156,6 +156,13 @@ class SwarmClient:
             self._remember(self.peers)
             return self.peers
 
+    async def refresh_full(self, max_age: float = 1.0) -> list[PeerRecord]:
+        """A full read of the records, unless one finished less than ``max_age`` seconds ago (several callers
+        confirming the same thing at once share one read)."""
+        if time.monotonic() - self._last_full < max_age:
+            return self.peers
+        return await self.refresh(full=True)
+
     def _remember(self, peers: list[PeerRecord]) -> None:
         now = time.monotonic()
         for r in peers:
