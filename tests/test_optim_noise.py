@@ -169,3 +169,21 @@ def test_config_needs_dp_and_microbatches():
     with pytest.raises(ConfigError, match="v_correction"):
         load_config(TINY, ["dp.v_correction=true", "train.microbatches=2"])
     assert load_config(TINY, ["dp.v_correction=true", "dp.enabled=true", "train.microbatches=2"]).dp.v_correction
+
+
+def test_a_bf16_second_moment_is_corrected_like_an_fp32_one():
+    """Parameters (and so AdamW's state) in bf16: the tracker's buffers stay fp32 and the corrected v is written
+    back in bf16, within bf16's rounding of the fp32 run's."""
+    vs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(5)
+        p = torch.nn.Parameter(torch.zeros(30, 20, dtype=dtype))
+        opt = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.95))
+        noise = MicrobatchNoise({"w": p}, 2, microbatches=2)
+        for _ in range(4):
+            noise.reset()
+            _accumulate(p, noise, [(torch.randn(30, 20) * 0.1 + 0.05).to(dtype) for _ in range(2)])
+            assert _step(opt, noise, noise.variance()) == 1
+        assert opt.state[p]["exp_avg_sq"].dtype == dtype and noise.ema_var["w"].dtype == torch.float32
+        vs.append(opt.state[p]["exp_avg_sq"].float())
+    assert torch.allclose(vs[1], vs[0], rtol=0.08, atol=1e-9)
