@@ -115,6 +115,8 @@ VARIANTS: dict[str, list[str]] = {
     # and the other way: the activation at 4 bits, the gradient at 2 or 1
     "rotq4_ns_g2": ["mask.codec=rotq", "mask.bits=4", "mask.rotq_weight=norm_std", "mask.grad_bits=2"],
     "rotq4_ns_g1": ["mask.codec=rotq", "mask.bits=4", "mask.rotq_weight=norm_std", "mask.grad_bits=1"],
+    # the 1-bit gradient weighted by 1 / its channels' rms (every channel the same relative error; eighteenth session)
+    "rotq4_ns_g1_gw": [*ROTQ4_NS_G1, "mask.grad_weight=std"],
     "m75_mean": ["mask.ratio=0.75", "mask.fill=mean"],
     # where dense_dp's loss comes from (same tokens; each variant moves one thing from dense towards dense_dp):
     # half as many optimizer steps of twice the batch (what any X = 2 data parallelism does to a fixed budget),

@@ -193,6 +193,42 @@ def test_weighted_payloads_are_checked():
         RotQuantCodec(2, weight="sqrt")
 
 
+def test_gradient_weights_give_every_channel_the_same_relative_error():
+    """mask.grad_weight = std: a gradient whose channels differ 100x in scale; unweighted, the rotation spreads
+    the error evenly, so the small channels get a relative error of order 1; weighted by 1 / rms_c, every
+    channel's relative error is close to the quantiser's own. The payload carries H weights more, counted."""
+    gen = torch.Generator().manual_seed(4)
+    scale = torch.logspace(-2, 0, 576)[torch.randperm(576, generator=gen)]
+    g = _gauss(b=2, t=64) * scale
+
+    def relative_error_by_channel(codec):
+        payload = codec.encode_grad(g)
+        assert codec.backward_nbytes(2, 64, 576) == sum(t.numel() * t.element_size()
+                                                        for t in payload.tensors.values())
+        err = (codec.decode_grad(payload) - g).pow(2).sum(dim=(0, 1)) / g.pow(2).sum(dim=(0, 1))
+        return err, payload
+
+    for bits in (1, 4):
+        plain, p0 = relative_error_by_channel(RotQuantCodec(4, grad_bits=bits))
+        weighted, p1 = relative_error_by_channel(RotQuantCodec(4, grad_bits=bits, grad_weight="std"))
+        assert "weight" not in p0.tensors and "grad_weight" not in p0.meta  # unweighted: the payload as before
+        assert set(p1.tensors) == {"codes", "rms", "weight"} and p1.meta["grad_weight"] == "std"
+        assert float(weighted.max()) < 3 * GAUSS_MSE[bits] < float(plain.max()), bits
+        assert float(weighted.max()) < 0.1 * float(plain.max()), bits
+    codec = RotQuantCodec(4, grad_bits=1, grad_weight="std")
+    with pytest.raises(PayloadError, match="weight"):
+        codec.decode_grad(_replace(p1, weight=torch.zeros(576, dtype=torch.bfloat16)))
+    with pytest.raises(PayloadError, match="grad_weight|weight"):
+        RotQuantCodec(4, grad_bits=1).decode_grad(codec.encode_grad(g))  # a boundary that does not weight refuses
+    with pytest.raises(ValueError, match="grad_weight"):
+        RotQuantCodec(4, grad_weight="norm")
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml", [
+        "mask.codec=rotq", "mask.grad_bits=1", "mask.grad_weight=std"])
+    assert make_codec(cfg.mask).grad_weight == "std"
+    with pytest.raises(ConfigError, match="grad_weight"):
+        load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml", ["mask.grad_weight=gains"])
+
+
 def test_stages_carry_the_next_layers_input_norm_gains():
     from meshnode.model import build_tiny, cut_model
 

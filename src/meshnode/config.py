@@ -113,6 +113,9 @@ class MaskConfig:
     # "none"; "norm" = the receiving layer's input RMSNorm gains; "norm_std" = sqrt(gain / channel std).
     rotq_weight: str = "none"
     grad_bits: int = 0  # rotq: bits of the gradient going back (0 = the same as ``bits``)
+    # rotq: per-channel weights of the gradient going back: "none"; "std" = 1 / the channel's rms over the
+    # microbatch (every channel gets the same relative error; H values more per microbatch)
+    grad_weight: str = "none"
     topk_ratio: float = 0.1  # fraction of channels kept by the top-k baseline
     wire_dtype: str = "bfloat16"  # bfloat16 | float16 | float32
     version: int = 0
@@ -237,6 +240,7 @@ _CHOICES = {
     "mask.bits": (1, 2, 4),
     "mask.rotq_weight": ("none", "norm", "norm_std"),
     "mask.grad_bits": (0, 1, 2, 4),
+    "mask.grad_weight": ("none", "std"),
     "mask.wire_dtype": ("bfloat16", "float16", "float32"),
     "spectral.mode": ("filter", "clean_every", "delayed_ef", "bias_correction"),
     "spectral.ema_init": ("first", "zero"),

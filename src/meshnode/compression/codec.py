@@ -62,6 +62,7 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
 _DENSE_DTYPES: dict[str, torch.dtype] = {**WIRE_DTYPES, "float64": torch.float64}
 RESCALE_MODES = ("none", "inv_keep", "rms")
 ROTQ_WEIGHTS = ("none", "norm", "norm_std")
+ROTQ_GRAD_WEIGHTS = ("none", "std")
 ROTQ_WEIGHT_RANGE = 64.0  # channel weights are normalised to rms 1 and clipped to [1/64, 64]
 FILL_MODES = ("zero", "mean")
 ACTIVATION, GRAD = "activation", "grad"
@@ -589,14 +590,20 @@ class RotQuantCodec(_SameBothWays):
     tokens), which minimises the gain-weighted error for a given total (Cauchy-Schwarz). The gains are
     the sender's copy of the receiving layer's (``BoundaryContext.gain``: the pretrained values, which
     every peer loads; without them ``g = 1``). ``w`` is normalised to rms 1, clipped to [1/64, 64] and
-    sent in the wire dtype (H values), so the receiver needs nothing but the payload. The gradient is
-    not weighted.
+    sent in the wire dtype (H values), so the receiver needs nothing but the payload.
+
+    ``grad_weight = "std"`` weights the gradient going back by ``w = 1 / rms_c`` (the channel's rms over the
+    microbatch's tokens, normalised and clipped the same way, sent the same way): every channel's error is
+    then the same fraction of that channel's own gradient. Unweighted, the rotation spreads the error
+    evenly in absolute terms, so channels with a small gradient get a large relative error, and AdamW, which
+    normalises each coordinate by its own scale, takes that noise at full size in the matrices writing those
+    channels. With the default ``"none"`` the gradient is not weighted (and the payload is as before).
     """
 
     name = "rotq"
 
     def __init__(self, bits: int = 2, center: bool = True, wire_dtype: str = "bfloat16", seed: int = 0,
-                 weight: str = "none", grad_bits: int = 0) -> None:
+                 weight: str = "none", grad_bits: int = 0, grad_weight: str = "none") -> None:
         super().__init__(wire_dtype)  # the dtype of the channel means; codes are uint8, the rms float32
         for b in (bits, grad_bits or bits):
             if b not in ROTQ_BITS:
@@ -604,6 +611,9 @@ class RotQuantCodec(_SameBothWays):
         self.grad_bits = int(grad_bits or bits)  # the gradient's bits (default: the activation's)
         if weight not in ROTQ_WEIGHTS:
             raise ValueError(f"rotq weight must be one of {', '.join(ROTQ_WEIGHTS)}, got {weight!r}")
+        if grad_weight not in ROTQ_GRAD_WEIGHTS:
+            raise ValueError(f"rotq grad_weight must be one of {', '.join(ROTQ_GRAD_WEIGHTS)}, got {grad_weight!r}")
+        self.grad_weight = grad_weight
         self.bits = int(bits)
         self.center = bool(center)
         self.seed = int(seed)
@@ -614,24 +624,33 @@ class RotQuantCodec(_SameBothWays):
             f", weighted by {self.weight}" if self.weight != "none" else "")
         if self.grad_bits != self.bits:
             extra += f", gradient {self.grad_bits} bit"
+        if self.grad_weight != "none":
+            extra += f", gradient weighted by {self.grad_weight}"
         return f"rotq({self.bits} bit{extra})"
 
     def _meta(self) -> dict[str, Any]:
-        return {"bits": self.bits, "seed": self.seed, "center": self.center, "weight": self.weight,
+        meta = {"bits": self.bits, "seed": self.seed, "center": self.center, "weight": self.weight,
                 "grad_bits": self.grad_bits}
+        if self.grad_weight != "none":  # absent when unweighted: payloads stay those of peers without the key
+            meta["grad_weight"] = self.grad_weight
+        return meta
 
     def _bits(self, kind: str) -> int:
         return self.grad_bits if kind == GRAD else self.bits
 
-    def _weighted(self, kind: str) -> bool:  # only activations carry channel weights
-        return self.weight != "none" and kind == ACTIVATION
+    def _weighted(self, kind: str) -> bool:  # whether this kind of payload carries channel weights
+        return (self.weight if kind == ACTIVATION else self.grad_weight) != "none"
 
     def encode(self, x: Tensor, ctx: BoundaryContext | None = None) -> EncodedPayload:
         return self._encode(ACTIVATION, x, ctx.gain if ctx is not None else None)
 
-    def channel_weights(self, z: Tensor, gain: Tensor | None) -> Tensor:  # z (B, T, H) float32 -> (H,) wire dtype
-        """The per-channel weights of :attr:`weight` for the (centred) activation ``z``, as they travel."""
+    def channel_weights(self, z: Tensor, gain: Tensor | None, kind: str = ACTIVATION) -> Tensor:
+        """The per-channel weights of :attr:`weight` for the (centred) activation ``z`` (B, T, H), or of
+        :attr:`grad_weight` for a gradient, as they travel: (H,) in the wire dtype."""
         h = z.shape[-1]
+        if kind != ACTIVATION:
+            rms = z.square().mean(dim=(0, 1)).sqrt()
+            return self._normalised(1.0 / rms.clamp_min(1e-6 * float(rms.max()) + 1e-30))
         if gain is None:
             g = torch.ones(h, device=z.device)
         else:
@@ -642,6 +661,9 @@ class RotQuantCodec(_SameBothWays):
         if self.weight == "norm_std":
             std = z.square().mean(dim=(0, 1)).sqrt()
             w = (g / std.clamp_min(1e-6 * float(std.max()) + 1e-30)).sqrt()
+        return self._normalised(w)
+
+    def _normalised(self, w: Tensor) -> Tensor:  # rms 1, clipped to the range a receiver accepts, wire dtype
         w = torch.nan_to_num(w, nan=1.0, posinf=1.0)
         rms = w.square().mean().sqrt()
         w = w / rms if float(rms) > 0 else torch.ones_like(w)
@@ -656,7 +678,7 @@ class RotQuantCodec(_SameBothWays):
             tensors["mean"] = mean
             z = z - mean.float()
         if self._weighted(kind):
-            w = self.channel_weights(z, gain)
+            w = self.channel_weights(z, gain, kind)
             tensors["weight"] = w
             z = z * w.float()
         codes, rms = rotq_encode(z, self._bits(kind), self.seed)
@@ -695,7 +717,8 @@ class RotQuantCodec(_SameBothWays):
         return rotq_nbytes(batch * seq, hidden, self.bits) + per_channel * hidden * self.wire_dtype.itemsize
 
     def backward_nbytes(self, batch: int, seq: int, hidden: int) -> int:
-        return rotq_nbytes(batch * seq, hidden, self.grad_bits)
+        per_channel = int(self.grad_weight != "none")  # the gradient's weights: H values
+        return rotq_nbytes(batch * seq, hidden, self.grad_bits) + per_channel * hidden * self.wire_dtype.itemsize
 
 
 # ---------------------------------------------------------------------------------------------
@@ -721,7 +744,7 @@ def make_codec(mask_cfg: MaskConfig, *, step: int | None = None) -> BoundaryCode
         return QuantCodec(int(kind[3:]))
     if kind == "rotq":
         return RotQuantCodec(mask_cfg.bits, mask_cfg.rotq_center, mask_cfg.wire_dtype, weight=mask_cfg.rotq_weight,
-                             grad_bits=mask_cfg.grad_bits)
+                             grad_bits=mask_cfg.grad_bits, grad_weight=mask_cfg.grad_weight)
     raise ValueError(f"unknown boundary codec {kind!r} (mask | topk | int8 | int4 | rotq | dense)")
 
 
@@ -766,7 +789,7 @@ def simulate_transfer(
 
 
 __all__ = [
-    "RESCALE_MODES", "ROTQ_WEIGHTS", "WIRE_DTYPES", "BoundaryCodec", "BoundaryContext", "DenseCodec", "EncodedPayload",
+    "RESCALE_MODES", "ROTQ_GRAD_WEIGHTS", "ROTQ_WEIGHTS", "WIRE_DTYPES", "BoundaryCodec", "BoundaryContext", "DenseCodec", "EncodedPayload",
     "MaskCodec",
     "PayloadError", "QuantCodec", "TopKCodec", "gather_kept", "make_codec", "masked_boundary", "rms_scale",
     "scatter_kept", "simulate_transfer",
