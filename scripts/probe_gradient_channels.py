@@ -67,7 +67,7 @@ def main() -> None:
             spread.append([float(rms.max() / rms.min()), float(q[2] / q[0]), float(rms.max() / q[1])])
             mats = [p for n, p in sender.named_parameters() if n.endswith(("o_proj.weight", "down_proj.weight"))]
 
-            def param_grad(grad_out):
+            def param_grad(grad_out, out=out, mats=mats):
                 gs = torch.autograd.grad(out, mats, grad_out, retain_graph=True)
                 return torch.cat([t.reshape(-1) for t in gs])
 

@@ -789,8 +789,8 @@ def simulate_transfer(
 
 
 __all__ = [
-    "RESCALE_MODES", "ROTQ_GRAD_WEIGHTS", "ROTQ_WEIGHTS", "WIRE_DTYPES", "BoundaryCodec", "BoundaryContext", "DenseCodec", "EncodedPayload",
-    "MaskCodec",
+    "RESCALE_MODES", "ROTQ_GRAD_WEIGHTS", "ROTQ_WEIGHTS", "WIRE_DTYPES", "BoundaryCodec", "BoundaryContext",
+    "DenseCodec", "EncodedPayload", "MaskCodec",
     "PayloadError", "QuantCodec", "TopKCodec", "gather_kept", "make_codec", "masked_boundary", "rms_scale",
     "scatter_kept", "simulate_transfer",
 ]
