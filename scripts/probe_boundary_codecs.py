@@ -17,12 +17,11 @@ from pathlib import Path
 import torch
 
 from meshnode.compression import MaskKey, make_codec, simulate_transfer
-from meshnode.config import MaskConfig, load_config
-from meshnode.data import BatchSource, heldout_batches, make_tokenizer, prepare_corpus
-from meshnode.model import cut_model, load_model
+from meshnode.config import MaskConfig
+from meshnode.data import BatchSource, heldout_batches
 from meshnode.stage import causal_lm_loss
+from probe_common import load_probe_model  # scripts/ is on the path when a script runs
 
-ROOT = Path(__file__).resolve().parents[1]
 CODECS = {
     "dense": MaskConfig(),
     "int8": MaskConfig(codec="int8"),
@@ -49,12 +48,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    torch.set_num_threads(2)
-    cfg = load_config(ROOT / "configs" / "smollm2-linuxdoc.toml")
-    cache = Path.home() / ".cache" / "meshnode"
-    model, hf_tok = load_model(cfg.model, cache)
-    corpus = prepare_corpus(cfg.data, make_tokenizer(cfg.model, hf_tok), cache)
-    stages = cut_model(model, 3)
+    model, corpus, stages = load_probe_model()
     params = [p for st in stages.values() for p in st.parameters()]
     hidden = model.config.hidden_size
     evals = heldout_batches(corpus.heldout, 4, 2)

@@ -14,17 +14,12 @@ error and the loss; the unmasked loss is the reference.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from meshnode.compression import MaskKey, keep_indices
-from meshnode.config import load_config
-from meshnode.data import BatchSource, heldout_batches, make_tokenizer, prepare_corpus
-from meshnode.model import cut_model, load_model
+from meshnode.data import BatchSource, heldout_batches
 from meshnode.stage import causal_lm_loss
-
-ROOT = Path(__file__).resolve().parents[1]
+from probe_common import load_probe_model  # scripts/ is on the path when a script runs
 
 
 def rebuild(x, idx, mode, mu, cov, lam=1e-3):  # x: (B, T, H), idx: (B, T, K) -> (B, T, H)
@@ -44,12 +39,7 @@ def rebuild(x, idx, mode, mu, cov, lam=1e-3):  # x: (B, T, H), idx: (B, T, K) ->
 
 @torch.no_grad()
 def main() -> None:
-    torch.set_num_threads(2)
-    cfg = load_config(ROOT / "configs" / "smollm2-linuxdoc.toml")
-    cache = Path.home() / ".cache" / "meshnode"
-    model, hf_tok = load_model(cfg.model, cache)
-    corpus = prepare_corpus(cfg.data, make_tokenizer(cfg.model, hf_tok), cache)
-    st = cut_model(model, 3)
+    model, corpus, st = load_probe_model()
     hidden = model.config.hidden_size
     src = BatchSource(corpus.train, 4, seed=0)
     acts: dict[int, list[torch.Tensor]] = {0: [], 1: []}

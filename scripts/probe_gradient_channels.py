@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import torch
 
 from meshnode.compression import RotQuantCodec
-from meshnode.config import load_config
-from meshnode.data import BatchSource, make_tokenizer, prepare_corpus
-from meshnode.model import cut_model, load_model
+from meshnode.data import BatchSource
 from meshnode.stage import causal_lm_loss
-
-ROOT = Path(__file__).resolve().parents[1]
+from probe_common import load_probe_model  # scripts/ is on the path when a script runs
 
 
 def main() -> None:
@@ -33,12 +29,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=2)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    torch.set_num_threads(2)
-    cfg = load_config(ROOT / "configs" / "smollm2-linuxdoc.toml")
-    cache = Path.home() / ".cache" / "meshnode"
-    model, hf_tok = load_model(cfg.model, cache)
-    corpus = prepare_corpus(cfg.data, make_tokenizer(cfg.model, hf_tok), cache)
-    st = cut_model(model, 3)
+    model, corpus, st = load_probe_model()
     src = BatchSource(corpus.train, 4, seed=0)
     codecs = {f"{bits} bit {w}": RotQuantCodec(4, grad_bits=bits, grad_weight=w)
               for bits in (1, 4) for w in ("none", "std")}
