@@ -82,7 +82,7 @@ def main() -> None:
         rec["boundaries"][b] = {"rms_max_over_min": s[0], "rms_p99_over_p1": s[1], "rms_max_over_median": s[2],
                                 "codecs": mean}
     if args.out:
-        rec["command"] = "python scripts/probe_gradient_channels.py" + (f" --out {args.out}" if args.out else "")
+        rec["command"] = f"python scripts/probe_gradient_channels.py --batches {args.batches} --out {args.out}"
         with open(args.out, "w") as f:
             json.dump(rec, f, indent=1)
 

@@ -537,6 +537,36 @@ def test_refresh_merges_every_holder_only_every_full_period(monkeypatch):
     assert dht.latest == [True, False, False, False, True, False, True, False, False]
 
 
+def test_callers_confirming_at_once_share_one_full_read(monkeypatch):
+    """Swarm.refresh_full (a DP sync about to be made alone confirms there is no partner): a full read unless
+    one finished within max_age, also one that finished while this caller waited for the lock."""
+    import asyncio
+
+    from meshnode.node import swarm as swarm_mod
+
+    clock = [100.0]
+    monkeypatch.setattr(swarm_mod.time, "monotonic", lambda: clock[0])
+
+    class SlowDHT(_FakeDHT):
+        async def get(self, key, latest=False, return_future=False):
+            await asyncio.sleep(0)  # the read takes a turn of the loop: the other callers queue at the lock
+            return await super().get(key, latest, return_future)
+
+    dht = SlowDHT()
+    client = swarm_mod.SwarmClient(dht, "run", identity=None)
+
+    async def go():
+        await asyncio.gather(*(client.refresh_full() for _ in range(3)))  # three fragments due at once
+        clock[0] += 0.5
+        await client.refresh_full()  # the read 0.5 s ago stands
+        clock[0] += 0.6
+        await client.refresh_full()  # 1.1 s: read again
+        await client.refresh_full(max_age=0.0)
+
+    asyncio.run(go())
+    assert dht.latest == [True, True, True]
+
+
 def test_a_partial_read_updates_the_snapshot_without_dropping_peers():
     """A first-holder copy that lacks some records (a late joiner's own storage) keeps what was held;
     newer records replace older ones, and held records leave when they expire."""

@@ -187,3 +187,50 @@ def test_a_bf16_second_moment_is_corrected_like_an_fp32_one():
         assert opt.state[p]["exp_avg_sq"].dtype == dtype and noise.ema_var["w"].dtype == torch.float32
         vs.append(opt.state[p]["exp_avg_sq"].float())
     assert torch.allclose(vs[1], vs[0], rtol=0.08, atol=1e-9)
+
+
+def test_a_long_bf16_run_keeps_the_group_batch_target():
+    """With bf16 state AdamW's own update of v rounds away (1 - beta2) g^2 once v is large enough, so A is kept
+    in fp32 there (rebuilt from v it came out 4.5x too large at beta2 = 0.999): pure noise of per-microbatch
+    variance 1 at X = 2 lands on the group batch's 0.25, as in fp32."""
+    torch.manual_seed(6)
+    n, beta2 = 2000, 0.999
+    means = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        p = torch.nn.Parameter(torch.zeros(n, dtype=dtype))
+        opt = torch.optim.AdamW([p], lr=0.0, betas=(0.9, beta2))
+        noise = MicrobatchNoise({"w": p}, 2, microbatches=2)
+        gen = torch.Generator().manual_seed(7)
+        for _ in range(3000):
+            noise.reset()
+            _accumulate(p, noise, [torch.randn(n, generator=gen).to(dtype) for _ in range(2)])
+            _step(opt, noise, noise.variance())
+        means[dtype] = float(opt.state[p]["exp_avg_sq"].float().mean())
+    # the EMA started from zero 3000 steps ago: 1 - 0.999^3000 = 95 % of the way
+    assert means[torch.float32] == pytest.approx(0.25 * (1 - beta2 ** 3000), rel=0.05)
+    assert means[torch.bfloat16] == pytest.approx(means[torch.float32], rel=0.03)
+
+
+def test_a_failed_step_lets_the_pending_estimates_lapse():
+    """An optimizer step that raises after before_step: B already holds the step's estimate and v is whatever
+    the failed step left, so A cannot be rebuilt; the tensors' EMAs lapse and restart from AdamW's v."""
+    torch.manual_seed(8)
+    p = torch.nn.Parameter(torch.zeros(6, 4))
+    opt = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.95))
+    noise = MicrobatchNoise({"w": p}, 2, microbatches=2)
+    for fail in (False, True, False):
+        noise.reset()
+        _accumulate(p, noise, [torch.randn(6, 4) * 0.1 for _ in range(2)])
+        if fail:
+            noise.before_step(opt, noise.variance())
+            noise.reset()  # what the worker does when optimizer.step raises
+            assert noise.ema_var == {}
+            continue
+        var = noise.variance()["w"].clone()
+        v_before = opt.state[p]["exp_avg_sq"].clone() if opt.state.get(p) else torch.zeros(6, 4)
+        g = p.grad.clone()
+        assert _step(opt, noise, noise.variance()) == 1
+    a = 0.95 * v_before + 0.05 * g.square()  # restarted: A from AdamW's v, B from this step's estimate
+    want = torch.maximum(a - 0.5 * 0.05 * var, a / 4)
+    assert torch.allclose(opt.state[p]["exp_avg_sq"], want, rtol=1e-5, atol=1e-12)
+

@@ -665,6 +665,9 @@ class RotQuantCodec(_SameBothWays):
 
     def _normalised(self, w: Tensor) -> Tensor:  # rms 1, clipped to the range a receiver accepts, wire dtype
         w = torch.nan_to_num(w, nan=1.0, posinf=1.0)
+        top = float(w.max())
+        if 0.0 < top < float("inf"):
+            w = w / top  # first to at most 1: a huge weight (a channel of ~zero rms) must not overflow the square
         rms = w.square().mean().sqrt()
         w = w / rms if float(rms) > 0 else torch.ones_like(w)
         return w.clamp(1.0 / ROTQ_WEIGHT_RANGE, ROTQ_WEIGHT_RANGE).to(self.wire_dtype)

@@ -119,6 +119,9 @@ def same_fingerprint(fp: list, ref: list[float]) -> bool:
     return True
 
 
+RECHECK_TIMEOUT_S = 5.0  # the full read of the records before a sync made alone waits this long at most
+
+
 class SwarmDP:
     def __init__(self, host, dht, run_id: str, counter, partners: Callable[[], int] = lambda: 1,
                  matchmaking_time: float | None = None, round_timeout: float | None = None,
@@ -236,7 +239,7 @@ class SwarmDP:
             # for its whole run (5 s, under one full-read period) and synced alone 6 times while its partner
             # waited for it in every round
             try:
-                await self.recheck()
+                await asyncio.wait_for(self.recheck(), RECHECK_TIMEOUT_S)
             except Exception as exc:
                 logger.info("DP fragment %d: re-reading the records before a sync alone failed: %r", f, exc)
         p = await host.run(self.psgd.phase_p, pseudo)

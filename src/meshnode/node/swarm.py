@@ -132,7 +132,7 @@ class SwarmClient:
 
     # ---- the snapshot ----------------------------------------------------------------------
 
-    async def refresh(self, full: bool | None = None) -> list[PeerRecord]:
+    async def refresh(self, full: bool | None = None, max_age: float | None = None) -> list[PeerRecord]:
         """Re-read the peer records. ``full=True`` merges every holder's copy (``latest=True``: each of up to
         ``num_replicas`` holders sends the whole dictionary); ``full=False`` takes the first holder's copy,
         which is this node's own storage whenever it is a holder (no traffic at all). The default is a full
@@ -145,9 +145,11 @@ class SwarmClient:
             now = time.monotonic()
             if full is None:
                 full = now - self._last_full >= self.full_refresh_period
+            elif full and max_age is not None and now - self._last_full < max_age:
+                return self.peers  # a full read finished within max_age (perhaps while this call waited)
             found = await self.dht.get(keys.peers_key(self.run_id), latest=full, return_future=True)
             if full:
-                self._last_full = now
+                self._last_full = time.monotonic()
             # a full read merges too: on a congested link some holders (or all) do not answer in time, and
             # replacing the snapshot with what came back emptied it ("no peer online") while every peer was
             # alive (docs/throughput.md, 2026-12-03 fourth session); records still leave when they expire
@@ -159,9 +161,7 @@ class SwarmClient:
     async def refresh_full(self, max_age: float = 1.0) -> list[PeerRecord]:
         """A full read of the records, unless one finished less than ``max_age`` seconds ago (several callers
         confirming the same thing at once share one read)."""
-        if time.monotonic() - self._last_full < max_age:
-            return self.peers
-        return await self.refresh(full=True)
+        return await self.refresh(full=True, max_age=max_age)
 
     def _remember(self, peers: list[PeerRecord]) -> None:
         now = time.monotonic()

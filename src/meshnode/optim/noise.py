@@ -23,7 +23,10 @@ both ``v + (1 - 1/X) B`` and ``2X v``, and equal to the one the max picked, so `
 2X v)``. Before each step the tracker saves ``A - v`` (AdamW's step overwrites ``v``), and after it ``A``
 is AdamW's new ``v`` plus beta2 times that. So the correction holds ``B`` and one scratch buffer per tensor
 at M = 2 (the two microbatches' difference needs only the first one's gradient), one more at M > 2:
-8 bytes per parameter instead of the 16 it took with ``A`` and a sum of squares stored.
+8 bytes per parameter instead of the 16 it took with ``A`` and a sum of squares stored. Where AdamW's ``v``
+is not fp32 (``model.dtype`` bf16 / fp16), ``A`` is stored in fp32 as before: rebuilt from a rounded ``v``
+it would lose the ``(1 - beta2) g^2`` that the rounding of AdamW's own update drops (4.5x too large a ``v``
+at beta2 = 0.999 in bf16).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class MicrobatchNoise:
         self._extra = False  # M = 2 declared and a third microbatch came: no estimate this step
         self.count = 0
         self.ema_var: dict[str, Tensor] = {}  # B
+        self.ema_g2: dict[str, Tensor] = {}  # A, stored (fp32) only for tensors whose AdamW state is not fp32
         self._applied = replicas  # the X of the last correction, which A's reconstruction must use
         # between before_step and after_step: name -> (buffer holding A - v, or None where A starts from v)
         self._pending: dict[str, tuple[Tensor, bool]] | None = None
@@ -114,7 +118,7 @@ class MicrobatchNoise:
         tensors are the tracker's buffers, valid until :meth:`before_step` or :meth:`reset` (computed once:
         a second call returns the same dict). Call it before clipping: at M = 2 it reads ``p.grad``."""
         m = self.count
-        if m < 2 or self._extra:
+        if m < 2 or self._extra or (self._pair and m != 2):
             return {}
         if self._variance is None:
             names = sorted(self._touched)
@@ -138,8 +142,13 @@ class MicrobatchNoise:
 
     def reset(self) -> None:
         """Forget the microbatches of the step (the EMAs stay; the buffers are kept for the next step). After a
-        step that raised between :meth:`before_step` and :meth:`after_step`, ``B`` keeps the failed step's
-        estimate and ``v`` is whatever the failed step left: the correction goes on from there."""
+        step that raised between :meth:`before_step` and the end of :meth:`after_step`, the EMAs of the tensors
+        not yet corrected lapse (``B`` already holds the failed step's estimate, and ``v`` is whatever the failed
+        step left, so ``A`` could not be rebuilt from them): they restart from AdamW's ``v``."""
+        if self._pending:
+            for n in self._pending:
+                self.ema_var.pop(n, None)
+                self.ema_g2.pop(n, None)
         self._touched.clear()
         self._variance = None
         self._pending = None
@@ -173,20 +182,24 @@ class MicrobatchNoise:
             b = self.ema_var.get(n)
             if var is None or p.grad is None:
                 self.ema_var.pop(n, None)
+                self.ema_g2.pop(n, None)
                 continue
             if b is None or v is None:  # B starts from zero; A from AdamW's v after the step
+                self.ema_g2.pop(n, None)
                 b = torch.empty_like(var)
                 var.mul_((1 - beta2) * scale * scale)
                 pending[n] = (b, False)
             else:
-                # B_t = beta2 B + (1 - beta2) s2 into the estimate's buffer; A - v = min(excess B, (2X - 1) v) into B's
+                # B_t = beta2 B + (1 - beta2) s2 into the estimate's buffer; A - v = min(excess B, (2X - 1) v) into
+                # B's. v not fp32: A is stored (rebuilt from v and B once, when there is none: after a load)
                 var.mul_((1 - beta2) * scale * scale).add_(b, alpha=beta2)
-                b.mul_(excess / cap)
                 if v.dtype == b.dtype:
+                    b.mul_(excess / cap)
                     torch.minimum(b, v, out=b)
-                else:
-                    b.copy_(torch.minimum(b, v.float()))
-                b.mul_(cap)
+                    b.mul_(cap)
+                elif n not in self.ema_g2:
+                    vf = v.float()
+                    self.ema_g2[n] = torch.minimum(vf + excess * b, 2.0 * x * vf)
                 pending[n] = (b, True)
             self.ema_var[n], scratch[n] = var, b  # the two buffers trade places
         self._variance = None
@@ -196,41 +209,52 @@ class MicrobatchNoise:
     def after_step(self, optimizer: torch.optim.Optimizer) -> int:
         """Set AdamW's ``exp_avg_sq`` of each tensor :meth:`before_step` took an estimate for to the corrected
         ``v``, with the current X. Returns how many were corrected."""
-        pending, self._pending = self._pending, None
+        pending = self._pending
         if not pending:
+            self._pending = None
             return 0
         x = self.replicas  # read once: the swarm's DP sets it from the event loop
         excess, floor = 1.0 - 1.0 / x, 1.0 / (2 * x)
         done = 0
-        for n, _, beta2, v in self._tensors(optimizer):
+        for n, p, beta2, v in self._tensors(optimizer):
             if n not in pending:
                 continue
             if v is None:
                 self.ema_var.pop(n, None)
+                self.ema_g2.pop(n, None)
                 continue
             a, carried = pending[n]
-            if carried:  # A = v (AdamW's, after its step) + beta2 (A - v) of before it
-                a.mul_(beta2).add_(v)
-            else:
-                a.copy_(v)
             b = self.ema_var[n]
-            # v = max(A - (1 - 1/X) B, A / 2X); A's buffer is scratch afterwards
-            if v.dtype == a.dtype:
+            if v.dtype != a.dtype:  # A stored: its own EMA of g^2, as AdamW's v would be without the rounding
+                stored = self.ema_g2.get(n) if carried else None
+                if stored is None:
+                    self.ema_g2[n] = stored = v.float()
+                else:
+                    stored.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                v.copy_(torch.maximum(stored - excess * b, stored * floor))
+            else:
+                if carried:  # A = v (AdamW's, after its step) + beta2 (A - v) of before it
+                    a.mul_(beta2).add_(v)
+                else:
+                    a.copy_(v)
+                # v = max(A - (1 - 1/X) B, A / 2X); A's buffer is scratch afterwards
                 torch.add(a, b, alpha=-excess, out=v)
                 torch.maximum(v, a.mul_(floor), out=v)
-            else:
-                v.copy_(torch.maximum(a - excess * b, a * floor))
             done += 1
         self._applied = x
+        self._pending = None
         return done
 
     def state_dict(self) -> dict[str, Any]:
-        return {"ema_var": dict(self.ema_var), "replicas": self._applied}
+        """``B``, the X of the last correction and, for tensors whose AdamW state is not fp32, ``A``. The
+        tensors are the tracker's own (save or copy them before the next step)."""
+        return {"ema_var": dict(self.ema_var), "replicas": self._applied, "ema_g2": dict(self.ema_g2)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """``B`` and the X of the last correction (a state from before ``A`` was derived also holds
-        ``ema_g2``, which is not needed)."""
+        """The inverse of :meth:`state_dict`; a state from before ``A`` was derived holds every tensor's ``A``
+        in ``ema_g2`` (only those of non-fp32 tensors are used) and no X (the current one is taken)."""
         self.ema_var = {n: t.clone() for n, t in state["ema_var"].items()}
+        self.ema_g2 = {n: t.float().clone() for n, t in state.get("ema_g2", {}).items()}
         self._applied = int(state.get("replicas", self.replicas))
         self._pending = None
 
