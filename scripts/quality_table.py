@@ -177,6 +177,10 @@ VARIANTS: dict[str, list[str]] = {
     # replica's second moment holding 4x batch 8's noise instead of 2x; the correction takes it to X = 4
     "dense_dp_x4_mb2": [*DP, "dp.replicas=4", "train.batch_size=1", "train.microbatches=2"],
     "dense_dp_x4_vc": [*DP, "dp.replicas=4", "train.batch_size=1", "train.microbatches=2", "dp.v_correction=true"],
+    # the whole system (the 4/1-bit codec + plain-average DP) at X = 4, with and without it (eighteenth session)
+    "rotq4_ns_g1_dpavg_x4_mb2": [*ROTQ4_NS_G1, *DP, "dp.replicas=4", "train.batch_size=1", "train.microbatches=2"],
+    "rotq4_ns_g1_dpavg_x4_vc": [*ROTQ4_NS_G1, *DP, "dp.replicas=4", "train.batch_size=1", "train.microbatches=2",
+                                "dp.v_correction=true"],
 }
 TABLE = ["dense", "dense_dp", "m90", "m90_ap", "m95", "m95_ap", "m95_ap_dp", "topk", "int8"]
 
