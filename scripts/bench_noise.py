@@ -91,20 +91,18 @@ def main() -> None:
                 times[k].append(t[k])
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
     overhead = med["after_microbatch"] + med["variance"] + med["before_step"] + med["after_step"] + med["reset"]
-    buffers = {t.data_ptr(): t.numel() * t.element_size()
-               for d in (noise._prev, noise._sq, noise.ema_var) for t in d.values()}
+    held_bytes = sum(t.numel() * t.element_size() for t in noise.buffers())
     for k, v in med.items():
         print(f"{k:>17}: {v:.3f} s (median of {args.repeats})")
     print(f"v_correction total: {overhead:.3f} s per step = {overhead / med['adamw_step']:.2f}x AdamW's step "
           f"({n_params / 1e6:.1f}M parameters, M = {args.microbatches}, {args.threads} threads, {dev})")
-    held_bytes = sum(buffers.values())
     print(f"buffers held: {held_bytes / 2**30:.2f} GiB = {held_bytes / n_params:.1f} B/parameter")
     if args.out:
         rec = {"command": "python scripts/bench_noise.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
             "platform": platform.platform(), "torch": torch.__version__, "params": n_params,
             "median_s": med, "overhead_s": overhead, "overhead_vs_adamw": overhead / med["adamw_step"],
-            "buffer_bytes": sum(buffers.values()), "buffer_bytes_per_param": sum(buffers.values()) / n_params}
+            "buffer_bytes": held_bytes, "buffer_bytes_per_param": held_bytes / n_params}
         with open(args.out, "w") as f:
             json.dump(rec, f, indent=1)
 

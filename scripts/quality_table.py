@@ -59,6 +59,8 @@ ROTQ4_NS_G1 = ["mask.codec=rotq", "mask.bits=4", "mask.rotq_weight=norm_std", "m
 # the same 4 sequences per step and replica, as two microbatches of 2 (dp.v_correction needs M >= 2)
 MB2 = ["train.batch_size=2", "train.microbatches=2"]
 MB4 = ["train.batch_size=1", "train.microbatches=4"]
+# X = 4 replicas of 2 sequences each as 2 microbatches of 1: the same 8 sequences per step as X = 2
+X4 = ["dp.replicas=4", "train.batch_size=1", "train.microbatches=2"]
 
 VARIANTS: dict[str, list[str]] = {
     # the table the issue asks for
@@ -175,12 +177,11 @@ VARIANTS: dict[str, list[str]] = {
     "dense_dp_vc_mb4": [*DP, *MB4, "dp.v_correction=true"],
     # X = 4 replicas of 2 sequences each (2 microbatches of 1): the same 8 sequences and 30 steps as X = 2, each
     # replica's second moment holding 4x batch 8's noise instead of 2x; the correction takes it to X = 4
-    "dense_dp_x4_mb2": [*DP, "dp.replicas=4", "train.batch_size=1", "train.microbatches=2"],
-    "dense_dp_x4_vc": [*DP, "dp.replicas=4", "train.batch_size=1", "train.microbatches=2", "dp.v_correction=true"],
+    "dense_dp_x4_mb2": [*DP, *X4],
+    "dense_dp_x4_vc": [*DP, *X4, "dp.v_correction=true"],
     # the whole system (the 4/1-bit codec + plain-average DP) at X = 4, with and without it (eighteenth session)
-    "rotq4_ns_g1_dpavg_x4_mb2": [*ROTQ4_NS_G1, *DP, "dp.replicas=4", "train.batch_size=1", "train.microbatches=2"],
-    "rotq4_ns_g1_dpavg_x4_vc": [*ROTQ4_NS_G1, *DP, "dp.replicas=4", "train.batch_size=1", "train.microbatches=2",
-                                "dp.v_correction=true"],
+    "rotq4_ns_g1_dpavg_x4_mb2": [*ROTQ4_NS_G1, *DP, *X4],
+    "rotq4_ns_g1_dpavg_x4_vc": [*ROTQ4_NS_G1, *DP, *X4, "dp.v_correction=true"],
 }
 TABLE = ["dense", "dense_dp", "m90", "m90_ap", "m95", "m95_ap", "m95_ap_dp", "topk", "int8"]
 

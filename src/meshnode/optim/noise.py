@@ -66,13 +66,17 @@ class MicrobatchNoise:
         self._sq: dict[str, Tensor] = {}  # M != 2: sum of the microbatch shares squared, turned into s2_hat
         self._touched: set[str] = set()  # tensors with a gradient since the last reset
         self._variance: dict[str, Tensor] | None = None  # set by variance() until the next reset
-        self._extra = False  # M = 2 declared and a third microbatch came: no estimate this step
         self.count = 0
         self.ema_var: dict[str, Tensor] = {}  # B
         self.ema_g2: dict[str, Tensor] = {}  # A, stored (fp32) only for tensors whose AdamW state is not fp32
         self._applied = replicas  # the X of the last correction, which A's reconstruction must use
         # between before_step and after_step: name -> (buffer holding A - v, or None where A starts from v)
         self._pending: dict[str, tuple[Tensor, bool]] | None = None
+
+    def buffers(self) -> list[Tensor]:
+        """Every parameter-sized buffer the tracker holds now (what it costs in memory)."""
+        held = {t.data_ptr(): t for d in (self._prev, self._sq, self.ema_var, self.ema_g2) for t in d.values()}
+        return list(held.values())
 
     def _scratch(self) -> dict[str, Tensor]:
         """The dict whose buffers variance() fills (and before_step trades for B's)."""
@@ -98,11 +102,7 @@ class MicrobatchNoise:
             self._prev[n].copy_(g)
             if not self._pair:
                 torch.mul(self._prev[n], self._prev[n], out=self._sq[n])
-        if rest and self._pair:
-            if self.count >= 2 and not self._extra:
-                logger.warning("v_correction: a step with more than the 2 microbatches declared gets no estimate")
-                self._extra = True
-        elif rest:
+        if rest and not self._pair:  # at M = 2 the first microbatch's gradient is all variance() needs
             grads = [self.params[n].grad.detach() for n in rest]
             prevs, sqs = [self._prev[n] for n in rest], [self._sq[n] for n in rest]
             torch._foreach_sub_(prevs, grads)  # minus this microbatch's share, -g_j / M
@@ -118,7 +118,9 @@ class MicrobatchNoise:
         tensors are the tracker's buffers, valid until :meth:`before_step` or :meth:`reset` (computed once:
         a second call returns the same dict). Call it before clipping: at M = 2 it reads ``p.grad``."""
         m = self.count
-        if m < 2 or self._extra or (self._pair and m != 2):
+        if self._pair and m > 2:
+            logger.warning("v_correction: a step of %d microbatches where 2 were declared gets no estimate", m)
+        if m < 2 or (self._pair and m != 2):
             return {}
         if self._variance is None:
             names = sorted(self._touched)
@@ -152,7 +154,6 @@ class MicrobatchNoise:
         self._touched.clear()
         self._variance = None
         self._pending = None
-        self._extra = False
         self.count = 0
 
     def _tensors(self, optimizer: torch.optim.Optimizer):
