@@ -107,3 +107,12 @@ def test_rebalance_delay_of_join():
     r = runner.invoke(app, ["join", "--config", str(TINY), "--rebalance-after", "-1"])
     assert r.exit_code == 1 and "--rebalance-after: -1.0 is not a number of seconds >= 0" in r.output, r.output
     assert "Traceback" not in r.output
+
+
+def test_join_refuses_a_bad_slowdown():
+    """``--slowdown`` emulates slower hardware; a factor below 1, NaN or absurdly large is one clear line, before
+    any network or model work."""
+    for bad in ("0.5", "nan", "1e9"):
+        r = runner.invoke(app, ["join", "--config", str(TINY), "--slowdown", bad])
+        assert r.exit_code == 1 and "--slowdown" in r.output and "between 1 and 1000" in r.output, r.output
+        assert "Traceback" not in r.output

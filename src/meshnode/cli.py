@@ -254,11 +254,16 @@ def join(
     announce_period: Annotated[float, typer.Option("--announce-period", help="Seconds between announcements.")] = 3.0,
     rebalance_after: Annotated[
         float | None,
-        typer.Option("--rebalance-after", help="Move to a stage left without fast peers for this many seconds, when "
-                     "this peer's stage has others (default: 30 with --stage auto; a fixed --stage only moves "
-                     "when this is given)."),
+        typer.Option("--rebalance-after", help="Move to a stage left without fast peers, or far slower than this "
+                     "peer's (by the capacities peers announce), for this many seconds, when this peer's stage has "
+                     "others (default: 30 with --stage auto; a fixed --stage only moves when this is given)."),
     ] = None,
     no_rebalance: Annotated[bool, typer.Option("--no-rebalance", help="Never move to another stage.")] = False,
+    slowdown: Annotated[
+        float,
+        typer.Option("--slowdown", help="Emulate hardware this many times slower (>= 1): each forward and backward "
+                     "holds the stage's thread that much longer. For tests and benchmarks of mixed swarms."),
+    ] = 1.0,
     set_: SetOpt = None,
     cache_dir: CacheOpt = None,
 ) -> None:
@@ -274,6 +279,8 @@ def join(
         if stage != "auto" and int(stage) >= cfg.model.stages:
             raise ConfigError(f"--stage: {stage} but the run has stages 0..{cfg.model.stages - 1}")
         rebalance_after = rebalance_delay(rebalance_after, no_rebalance, stage_fixed=stage != "auto", role=role)
+        if not (math.isfinite(slowdown) and 1.0 <= slowdown <= 1000.0):
+            raise ConfigError(f"--slowdown: {slowdown} is not a factor between 1 and 1000")
         if cfg.dp.average_moments:
             raise ConfigError("dp.average_moments is an in-process mesh experiment; the swarm's DP averages "
                               "weights only")
@@ -284,7 +291,7 @@ def join(
             stage=None if stage == "auto" else int(stage), role=role, device=device, identity=identity,
             checkpoint_dir=checkpoint_dir, cache_dir=cache_dir_from(cache_dir), metrics_out=metrics_out,
             trace_out=trace_out, ready_file=ready_file, threads=threads, announce_period=announce_period,
-            rebalance_after=rebalance_after,
+            rebalance_after=rebalance_after, slowdown=slowdown,
         )
         run_join(cfg, opts)
 

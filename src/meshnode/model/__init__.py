@@ -18,11 +18,12 @@ from .stages import (
     cut_model,
     layer_ranges,
     load_stage_state_dict,
+    stage_costs,
     stage_state_dict,
 )
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES", "ModelLoadError", "StageModule", "assemble_hf_model", "balanced_boundaries",
     "build_tiny", "cached_smollm2", "check_architecture", "cut_model", "default_cache_dir", "layer_ranges",
-    "load_model", "load_stage_state_dict", "smollm2_gguf_path", "stage_state_dict", "tiny_config",
+    "load_model", "load_stage_state_dict", "smollm2_gguf_path", "stage_costs", "stage_state_dict", "tiny_config",
 ]

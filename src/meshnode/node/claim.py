@@ -1,13 +1,29 @@
 """Stage claiming: pure functions over a snapshot of ``{run}_peers`` (Petals-style, no network).
 
-A joining fast peer takes the stage with the least serving capacity: the fewest fast peers
-(joining or online), ties broken by the lower summed throughput, then the lower stage index. A
-running peer moves (rebalancing) when a stage is *starved* (no fast peer), or served by at least two
-fewer fast peers than its own: only peers of the most crowded stage (the lowest index among equals)
-move, to the least served stage (the lowest index among equals; stage 0, whose peers are drivers, only
-when it has none), and of them only the movable one
-(announced so: a peer pinned to its stage, or an older one, is not) with the smallest peer id, so one
-peer moves at a time and a move never makes the counts worse than one apart.
+A stage's *rate* is the tokens per second its fast peers (joining or online) can serve between them: the sum of
+their announced capacities (tokens per second of their own forward + backward work). A peer that announced none
+yet counts as the mean speed of those that did. Speeds carry across stages by the stages' costs (FLOPs per
+token, :func:`meshnode.model.stage_costs`; equal when not given): a peer serving stage a at c tokens/s would
+serve stage b at ``c x cost_a / cost_b``.
+
+A joining fast peer takes a stage with no fast peer (the lowest index), else the one with the lowest rate; with
+no capacity announced anywhere, the fewest fast peers, ties broken by the lower summed throughput, then the
+lower stage index.
+
+A running peer moves (rebalancing) when
+
+- a stage is *starved* (no fast peer), or, with no capacity announced anywhere, served by at least two fewer
+  fast peers than its own: only peers of the most crowded stage (the lowest index among equals) move, to the
+  least served stage (the lowest index among equals; stage 0, whose peers are drivers, only when it has
+  none), and of them only the movable one (announced so: a peer pinned to its stage, or an older one, is not)
+  with the smallest peer id, so one peer moves at a time and a move never makes the counts worse than one
+  apart;
+- otherwise by speed: of all moves of one movable peer out of a stage of two or more into another stage
+  (not stage 0), the one that raises the slowest stage's rate the most, if by at least :data:`GAIN`: between
+  that pair of stages, the smallest id of the movable peers whose move gains that much (a stable choice: which
+  of two similar peers' moves gains most flips with their measurements). Stage 0's rate is set by the drivers
+  that join, so it counts only when the mover leaves it. The margin keeps measurement noise and a move's own
+  cost from making peers move back and forth: a move that pays by ``GAIN`` leaves the reverse move a loss.
 """
 
 from __future__ import annotations
@@ -25,24 +41,59 @@ def _serving(peers: Sequence[PeerRecord], num_stages: int) -> list[list[PeerReco
     return out
 
 
+GAIN = 1.5  # a move by speed must raise the slowest stage's rate by at least this factor
+
+
 def stage_loads(peers: Sequence[PeerRecord], num_stages: int) -> list[tuple[int, float]]:
     """Per stage: (number of fast peers, summed throughput)."""
     return [(len(ps), sum(p.throughput for p in ps)) for ps in _serving(peers, num_stages)]
 
 
-def choose_stage(peers: Sequence[PeerRecord], num_stages: int, exclude: str | None = None) -> int:
+def _costs(costs: Sequence[float] | None, num_stages: int) -> list[float]:
+    if costs is None:
+        return [1.0] * num_stages
+    out = [float(c) for c in costs]
+    if len(out) != num_stages or not all(c > 0 and c < float("inf") for c in out):
+        raise ValueError(f"stage costs must be {num_stages} positive finite numbers, got {costs!r}")
+    return out
+
+
+def _speeds(serving: list[list[PeerRecord]], costs: list[float]) -> list[list[float]] | None:
+    """Per stage, per fast peer: its capacity there (tokens/s), an unknown one the mean of the known ones carried
+    over by cost; None when no peer announced a capacity."""
+    work = [p.capacity * costs[s] for s, ps in enumerate(serving) for p in ps if p.capacity > 0]
+    if not work:
+        return None
+    mean = sum(work) / len(work)
+    return [[p.capacity if p.capacity > 0 else mean / costs[s] for p in ps] for s, ps in enumerate(serving)]
+
+
+def stage_rates(peers: Sequence[PeerRecord], num_stages: int,
+                costs: Sequence[float] | None = None) -> list[float] | None:
+    """Per stage: the tokens per second its fast peers can serve between them (None: no capacity announced)."""
+    speeds = _speeds(_serving(peers, num_stages), _costs(costs, num_stages))
+    return None if speeds is None else [sum(v) for v in speeds]
+
+
+def choose_stage(peers: Sequence[PeerRecord], num_stages: int, exclude: str | None = None,
+                 costs: Sequence[float] | None = None) -> int:
     """The stage a joining peer should serve (``exclude``: its own peer id, when re-choosing)."""
     if num_stages <= 0:
         raise ValueError(f"num_stages must be > 0, got {num_stages}")
-    loads = stage_loads([p for p in peers if p.peer_id != exclude], num_stages)
-    return min(range(num_stages), key=lambda s: (loads[s][0], loads[s][1], s))
+    peers = [p for p in peers if p.peer_id != exclude]
+    loads = stage_loads(peers, num_stages)
+    rates = stage_rates(peers, num_stages, costs)
+    if rates is None:
+        return min(range(num_stages), key=lambda s: (loads[s][0], loads[s][1], s))
+    return min(range(num_stages), key=lambda s: (loads[s][0] > 0, rates[s], s))
 
 
 def starved_stages(peers: Sequence[PeerRecord], num_stages: int) -> list[int]:
     return [s for s, (n, _) in enumerate(stage_loads(peers, num_stages)) if n == 0]
 
 
-def should_rebalance(peers: Sequence[PeerRecord], num_stages: int, me: str) -> int | None:
+def should_rebalance(peers: Sequence[PeerRecord], num_stages: int, me: str,
+                     costs: Sequence[float] | None = None) -> int | None:
     """The stage peer ``me`` should move to, or None (it stays)."""
     serving = _serving(peers, num_stages)
     mine = [s for s, ps in enumerate(serving) if any(p.peer_id == me for p in ps)]
@@ -54,15 +105,56 @@ def should_rebalance(peers: Sequence[PeerRecord], num_stages: int, me: str) -> i
     targets = [s for s in range(num_stages) if s > 0 or counts[s] == 0]
     if not targets:
         return None
+    movable = [[p.peer_id for p in ps if p.movable or p.peer_id == me] for ps in serving]
+    cost = _costs(costs, num_stages)
+    speeds = _speeds(serving, cost)
+    if speeds is not None and all(counts[s] > 0 for s in targets):
+        move = best_move(serving, speeds, cost, movable)
+        return move[1] if move is not None and move[0] == me else None
     least = min(targets, key=lambda s: (counts[s], s))
     # the sending stage: the most crowded of those with a peer that can move (pinned drivers in a crowded stage 0
     # must not hold up a move from another crowded stage)
-    movable = [[p.peer_id for p in ps if p.movable or p.peer_id == me] for ps in serving]
     senders = [s for s in range(num_stages) if movable[s]]
     most = min(senders, key=lambda s: (-counts[s], s))
     if stage != most or counts[stage] < 2 or counts[stage] - counts[least] < (1 if counts[least] == 0 else 2):
         return None
     return least if min(movable[stage]) == me else None
+
+
+def best_move(serving: list[list[PeerRecord]], speeds: list[list[float]], costs: list[float],
+              movable: list[list[str]]) -> tuple[str, int, float] | None:
+    """(peer id, target stage, gain) of the move by speed that raises the slowest stage's rate the most, if by
+    at least :data:`GAIN`; None when no move does. Of the peers whose move from the best stage to the best target
+    gains that much, the smallest peer id goes (not the one whose move gains most: which of two similar peers that
+    is flips with the noise of their measurements, and two peers that each read themselves as the mover would both
+    go)."""
+    num_stages = len(serving)
+    rates = [sum(v) for v in speeds]
+    best: tuple[float, int, int] | None = None  # (gain, source, target)
+    movers: dict[tuple[int, int], list[str]] = {}
+    for a, ps in enumerate(serving):
+        if len(ps) < 2:
+            continue
+        counted = [s for s in range(num_stages) if s > 0 or a == 0]  # stage 0 counts when the mover leaves it
+        before = min(rates[s] for s in counted)
+        for p, c in zip(ps, speeds[a]):
+            if p.peer_id not in movable[a]:
+                continue
+            for b in range(1, num_stages):
+                if b == a:
+                    continue
+                after = list(rates)
+                after[a] -= c
+                after[b] += c * costs[a] / costs[b]
+                gain = min(after[s] for s in counted) / before
+                if gain < GAIN:
+                    continue
+                movers.setdefault((a, b), []).append(p.peer_id)
+                if best is None or (-gain, a, b) < (-best[0], best[1], best[2]):
+                    best = (gain, a, b)
+    if best is None:
+        return None
+    return min(movers[best[1], best[2]]), best[2], best[0]
 
 
 def choose_shard(peers: Sequence[PeerRecord], me: str, shards: int, current: int | None = None) -> int:
@@ -89,4 +181,5 @@ def choose_shard(peers: Sequence[PeerRecord], me: str, shards: int, current: int
     return sorted({me, *(p.peer_id for p in drivers)}).index(me) % shards
 
 
-__all__ = ["choose_shard", "choose_stage", "should_rebalance", "stage_loads", "starved_stages"]
+__all__ = ["GAIN", "best_move", "choose_shard", "choose_stage", "should_rebalance", "stage_loads", "stage_rates",
+           "starved_stages"]

@@ -16,7 +16,8 @@ Life of a peer (docs/swarm.md):
 6. on SIGINT / SIGTERM: announce ``offline``, stop taking new steps, let in-flight chains finish
    (bounded), save a checkpoint, stop the DHT and its daemon;
 7. rebalancing (``--rebalance-after``, on by default for a peer whose stage was chosen for it): when a
-   stage has had no fast peer, or two fewer than this peer's, for that long and this peer is the one
+   stage has had no fast peer, or (by the capacities peers announce) a move of this peer would raise the
+   slowest stage's rate by :data:`.claim.GAIN`, for that long and this peer is the one
    :func:`.claim.should_rebalance` names, it leaves its stage as in 6 (no checkpoint) and joins the thin
    one as in 2-4 (an empty stage from an allowed anchor's copy when there is one), in the same process:
    a stage whose last peer died no longer stalls the pipeline until somebody new joins.
@@ -45,7 +46,7 @@ from ..protocol import keys
 from ..protocol.limits import Limits
 from ..protocol.records import PeerRecord
 from ..protocol.servicer import RPCServicer, StageServicer, collect_stream, stream_rpc
-from .claim import choose_shard, choose_stage, should_rebalance, stage_loads
+from .claim import choose_shard, choose_stage, should_rebalance, stage_loads, stage_rates
 from .host import StageHost, pieces_bytes, weights_from_chunks
 from .status import driver_step, swarm_health
 from .swarm import ChainError, SwarmClient, SwarmError, start_dht
@@ -74,6 +75,7 @@ class JoinOptions:
     refresh_period: float = 1.0
     prior_period: float = 2.0
     threads: int = 1
+    slowdown: float = 1.0  # emulate hardware this many times slower (tests and benchmarks of mixed swarms)
     shutdown_grace: float = 30.0
     # move to a stage that has had no fast peer for this many seconds (when claim.should_rebalance names this
     # peer); None: never (the CLI's default: 30 s for a peer whose stage was chosen for it, never for --stage N)
@@ -95,6 +97,7 @@ class SwarmNode:
         self.move_to: int | None = None
         self._starved: tuple[int, float] | None = None  # (the stage should_rebalance names, since when)
         self.moves = 0
+        self.stage_costs: list[float] | None = None  # FLOPs per token of each stage (from the model, once loaded)
         self._served_driver_step = 0  # the newest driver step the stages this peer left had served
         self.counter = ByteCounter()
         self.swarm: SwarmClient | None = None
@@ -183,20 +186,23 @@ class SwarmNode:
         if found:  # the newest: a peer that moved between stages saved the one it served last
             ckpt = max(found, key=lambda f: f.stat().st_mtime)
             return int(ckpt.stem.removeprefix("stage")), ckpt
-        return choose_stage(self.swarm.peers, self.num_stages, exclude=self.swarm.peer_id), None
+        stage = choose_stage(self.swarm.peers, self.num_stages, exclude=self.swarm.peer_id, costs=self.stage_costs)
+        return stage, None
 
     def _build_host(self, stage: int) -> StageHost:
-        from ..model import cut_model, load_model
+        from ..model import cut_model, load_model, stage_costs
         from ..stage import StageWorker
 
         model, _ = load_model(self.cfg.model, self.opts.cache_dir)
         hidden, vocab = int(model.config.hidden_size), int(model.config.vocab_size)
+        self.stage_costs = stage_costs(model.config, self.num_stages, self.cfg.model.boundaries, self.cfg.data.seq_len)
         module = cut_model(model, self.num_stages, self.cfg.model.boundaries, keep=[stage])[stage]
         del model
         module.to(self.opts.device)
         worker = StageWorker(module, self.cfg, replica=0, counter=self.counter)
         limits = Limits.from_config(self.cfg, hidden, vocab)
-        return StageHost(worker, self.cfg, limits, self.run_id, call_next=self._call_next, threads=self.opts.threads)
+        return StageHost(worker, self.cfg, limits, self.run_id, call_next=self._call_next, threads=self.opts.threads,
+                         slowdown=self.opts.slowdown)
 
     async def _call_next(self, stage: int, build) -> dict[str, Any]:
         return await self.swarm.call_stage(stage, build, stall_timeout=60.0, is_stopping=self.leaving.is_set)
@@ -282,9 +288,9 @@ class SwarmNode:
 
     async def _check_rebalance(self, peers) -> None:
         """Move once :func:`.claim.should_rebalance` has named the same stage for ``rebalance_after`` seconds (a stage
-        with no fast peer, or two fewer than this one); a full read of the records first confirms it (a
-        first-holder read can lack a peer that is there)."""
-        target = should_rebalance(peers, self.num_stages, self.swarm.peer_id)
+        with no fast peer, or one that this peer's move would speed up enough); a full read of the records first
+        confirms it (a first-holder read can lack a peer that is there)."""
+        target = should_rebalance(peers, self.num_stages, self.swarm.peer_id, self.stage_costs)
         now = time.monotonic()
         if target is None:
             if self._starved is not None:
@@ -299,7 +305,7 @@ class SwarmNode:
         if now - self._starved[1] < self.opts.rebalance_after or self.leaving.is_set():
             return
         peers = await self.swarm.refresh(full=True)
-        if should_rebalance(peers, self.num_stages, self.swarm.peer_id) != target:
+        if should_rebalance(peers, self.num_stages, self.swarm.peer_id, self.stage_costs) != target:
             self._starved = None
             return
         logger.warning("rebalance: %s for %.0f s; moving there from stage %d", self._imbalance(peers, target),
@@ -311,7 +317,11 @@ class SwarmNode:
         loads = stage_loads(peers, self.num_stages)
         if loads[target][0] == 0:
             return f"stage {target} has no fast peer"
-        return f"stage {target} has {loads[target][0]} fast peers against {loads[self.stage][0]} here"
+        rates = stage_rates(peers, self.num_stages, self.stage_costs)
+        if rates is None:
+            return f"stage {target} has {loads[target][0]} fast peers against {loads[self.stage][0]} here"
+        return (f"stage {target} serves {rates[target]:.0f} tokens/s with {loads[target][0]} fast peers against "
+                f"{rates[self.stage]:.0f} with {loads[self.stage][0]} here")
 
     async def _load_initial_state(self, ckpt: Path | None) -> None:
         host = self.host

@@ -67,7 +67,7 @@ class StageHost:
 
     def __init__(
         self, worker: StageWorker, cfg: RunConfig, limits: Limits, run_id: str, *, call_next: NextCall | None = None,
-        threads: int = 1,
+        threads: int = 1, slowdown: float = 1.0,
     ):
         self.worker = worker
         self.cfg = cfg
@@ -107,6 +107,9 @@ class StageHost:
         self._window_compute = 0.0  # compute_s at the last entry
         self.refused = 0
         self.compute_s = 0.0  # seconds of forward + backward torch work on this host's thread (busy fraction)
+        # emulated slower hardware (``meshnode join --slowdown``): each forward / backward holds the host's thread
+        # this many times as long as its torch work took (the extra idles, leaving the CPU to other peers)
+        self.slowdown = float(slowdown)
         # Optional per-microbatch timing records (``meshnode join --trace-out``): the caller's send and reply
         # times of each call to the next stage, and the serving side's entry and return, on the wall clock.
         self.trace: Callable[[dict[str, Any]], None] | None = None
@@ -118,11 +121,15 @@ class StageHost:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     def _timed(self, fn, *args):
-        """Call ``fn`` on the host's thread and add its duration to :attr:`compute_s` (not the queueing)."""
+        """Call ``fn`` on the host's thread and add its duration to :attr:`compute_s` (not the queueing); with a
+        :attr:`slowdown` above 1, hold the thread for the extra time too (emulation, counted as compute)."""
         t0 = time.perf_counter()
         try:
             return fn(*args)
         finally:
+            took = time.perf_counter() - t0
+            if self.slowdown > 1.0:
+                time.sleep((self.slowdown - 1.0) * took)
             self.compute_s += time.perf_counter() - t0
 
     def _trim_window(self, horizon: float) -> float:

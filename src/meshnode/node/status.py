@@ -20,7 +20,8 @@ class StageSummary:
     layers: list[int] = field(default_factory=list)
     fast_peers: list[str] = field(default_factory=list)
     anchor_peers: list[str] = field(default_factory=list)
-    tokens_per_s: float = 0.0
+    tokens_per_s: float = 0.0  # served (the stage's share of the load)
+    capacity: float = 0.0  # what its peers could serve: the sum of their announced capacities (tokens/s)
     step: int = 0
     loss: float | None = None
     prior_step: int | None = None
@@ -67,6 +68,7 @@ def summarize(peers: Sequence[PeerRecord], num_stages: int | None = None) -> lis
         st.fast_peers.append(p.peer_id)
         st.layers = st.layers or list(p.layers)
         st.tokens_per_s += p.throughput
+        st.capacity += p.capacity
         st.step = max(st.step, p.step)
         if p.loss is not None and (p.stage == n - 1 or st.loss is None):
             st.loss = p.loss
@@ -135,13 +137,15 @@ def render_table(status: dict[str, Any]):
     from rich.text import Text
 
     table = Table(title=f"swarm {status['run']} (driver step {status['driver_step']})")
-    for col in ("stage", "layers", "fast peers", "anchors", "tokens/s", "step", "loss", "prior age"):
+    for col in ("stage", "layers", "fast peers", "anchors", "tokens/s", "capacity", "step", "loss",
+                "prior age"):
         table.add_column(col, justify="right" if col not in ("fast peers", "layers") else "left")
     for st in status["stages"]:
         layers = "-".join(str(x) for x in st["layers"][:2]) if st["layers"] else "?"
         table.add_row(
             str(st["stage"]), layers, ", ".join(p[-8:] for p in st["fast_peers"]) or "[red]none",
-            str(len(st["anchor_peers"])), f"{st['tokens_per_s']:.0f}", str(st["step"]),
+            str(len(st["anchor_peers"])), f"{st['tokens_per_s']:.0f}",
+            f"{st.get('capacity', 0.0):.0f}", str(st["step"]),
             "-" if st["loss"] is None else f"{st['loss']:.4f}",
             "-" if st["prior_age"] is None else str(st["prior_age"]),
         )
