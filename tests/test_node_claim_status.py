@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshnode.node.claim import choose_shard, choose_stage, should_rebalance, stage_loads
+from meshnode.node.claim import GAIN, choose_shard, choose_stage, should_rebalance, stage_loads, stage_rates
 from meshnode.node.priors import HEADER_NAME, PriorIncomplete, PriorReader, validate_prior
 from meshnode.node.status import bytes_per_token, slowest_driver_step, status_json, summarize, swarm_health
 from meshnode.protocol import keys
@@ -61,6 +61,103 @@ def test_rebalance_moves_one_peer_of_a_crowded_stage():
     assert [should_rebalance(after, 3, x) for x in "abcdfgh"] == [None] * 7
 
 
+def test_rebalancing_by_speed_weighs_announced_capacities():
+    """With capacities announced, peers are balanced by the tokens per second each stage can serve, not by counts:
+    one fast peer against three slow ones is balanced; of two fast peers in one stage, one moves to a stage of
+    slow peers; a move must raise the slowest stage's rate by GAIN (so nobody moves back), and never empties a
+    stage or takes a driver's place."""
+    m = dict(movable=True)
+    drv = peer("a", 0, "driver", capacity=1000.0)
+    # 1 fast peer (300 tokens/s) in stage 1 against 3 slow ones (100 each) in stage 2: balanced, although the count
+    # rule would move one of stage 2's (3 against 1)
+    snap = [drv, peer("f", 1, capacity=300.0, **m), *(peer(x, 2, capacity=100.0, **m) for x in "bcd")]
+    assert stage_rates(snap, 3) == [1000.0, 300.0, 300.0]
+    assert [should_rebalance(snap, 3, x) for x in "abcdf"] == [None] * 5
+    # two fast peers in stage 1 (600 tokens/s), two slow ones in stage 2 (200): one fast one moves (300 / 500,
+    # the slowest stage 1.5x faster); counts are equal, so the count rule would not move anyone
+    snap = [drv, peer("f", 1, capacity=300.0, **m), peer("g", 1, capacity=300.0, **m),
+            peer("b", 2, capacity=100.0, **m), peer("c", 2, capacity=100.0, **m)]
+    assert [should_rebalance(snap, 3, x) for x in "fgbc"] == [2, None, None, None]
+    after = [drv, peer("g", 1, capacity=300.0, **m), peer("f", 2, capacity=300.0, **m),
+             peer("b", 2, capacity=100.0, **m), peer("c", 2, capacity=100.0, **m)]
+    assert [should_rebalance(after, 3, x) for x in "fgbc"] == [None] * 4  # and it does not move back
+    # below the margin nobody moves: 260 + 140 against 200 -> 260 / 340 is a gain of 1.3
+    snap = [drv, peer("f", 1, capacity=260.0, **m), peer("g", 1, capacity=140.0, **m),
+            peer("b", 2, capacity=100.0, **m), peer("c", 2, capacity=100.0, **m)]
+    assert GAIN > 260 / 200 and [should_rebalance(snap, 3, x) for x in "fgbc"] == [None] * 4
+    # of two similar peers the smaller id moves, whichever measured slower (the one whose move gains most would
+    # flip with the noise: both could read themselves as the mover)
+    for cf, cg in ((300.0, 310.0), (310.0, 300.0)):
+        snap = [drv, peer("f", 1, capacity=cf, **m), peer("g", 1, capacity=cg, **m),
+                peer("b", 2, capacity=75.0, **m), peer("c", 2, capacity=75.0, **m)]
+        assert [should_rebalance(snap, 3, x) for x in "fgbc"] == [2, None, None, None]
+    # a pinned peer is not moved: the best movable one is
+    snap = [drv, peer("f", 1, capacity=300.0), peer("g", 1, capacity=300.0, **m), peer("h", 1, capacity=100.0, **m),
+            peer("b", 2, capacity=100.0, **m)]
+    assert [should_rebalance(snap, 3, x) for x in "ghb"] == [2, None, None]
+    # a stage's only peer never leaves it, however fast
+    snap = [drv, peer("f", 1, capacity=900.0, **m), peer("b", 2, capacity=100.0, **m)]
+    assert [should_rebalance(snap, 3, x) for x in "fb"] == [None, None]
+    # a starved stage still comes first (the count rule), whatever the speeds
+    snap = [drv, peer("f", 1, capacity=50.0, **m), peer("g", 1, capacity=900.0, **m)]
+    assert [should_rebalance(snap, 3, x) for x in "fg"] == [2, None]
+
+
+def test_rebalancing_by_speed_carries_a_speed_across_stages_by_their_costs():
+    """A stage that costs twice as much per token serves half the tokens per second on the same hardware: with
+    costs (1, 1, 2), two equal peers in stage 1 and two in stage 2 are as balanced as they can be (moving one
+    would leave stage 1 at 100 against 150); with equal costs the same capacities say stage 2 is short of nothing."""
+    m = dict(movable=True)
+    drv = peer("a", 0, "driver", capacity=1000.0)
+    # the same hardware (200 tokens/s of stage-1 work, 100 of stage-2 work)
+    snap = [drv, peer("f", 1, capacity=200.0, **m), peer("g", 1, capacity=200.0, **m),
+            peer("b", 2, capacity=100.0, **m), peer("c", 2, capacity=100.0, **m)]
+    assert [should_rebalance(snap, 3, x, costs=[1.0, 1.0, 2.0]) for x in "fgbc"] == [None] * 4
+    # three peers in stage 1, one in stage 2: stage 2 serves 100 against 600; one moves (400 / 200)
+    snap = [drv, *(peer(x, 1, capacity=200.0, **m) for x in "fgh"), peer("b", 2, capacity=100.0, **m)]
+    assert [should_rebalance(snap, 3, x, costs=[1.0, 1.0, 2.0]) for x in "fghb"] == [2, None, None, None]
+    # had the costs been taken as equal, the mover would have been expected to bring 200 tokens/s to stage 2
+    # (a gain of 3 instead of 2): the decision is the same here, the estimate is not
+    assert should_rebalance(snap, 3, "f") == 2
+    # a peer that announced no capacity yet counts as the mean speed of those that did, carried by cost
+    # (the driver too: it has not announced one either)
+    snap = [peer("a", 0, "driver"), peer("f", 1, capacity=200.0, **m), peer("g", 1, **m),
+            peer("b", 2, capacity=100.0, **m), peer("c", 2, **m)]
+    assert stage_rates(snap, 3, costs=[1.0, 1.0, 2.0]) == pytest.approx([200.0, 400.0, 200.0])
+    assert stage_rates(snap, 3) == pytest.approx([150.0, 350.0, 250.0])  # equal costs: the mean of 200 and 100
+    with pytest.raises(ValueError, match="stage costs"):
+        stage_rates(snap, 3, costs=[1.0, 0.0, 2.0])
+    with pytest.raises(ValueError, match="stage costs"):
+        should_rebalance(snap, 3, "f", costs=[1.0, 1.0])
+
+
+def test_a_joining_peer_takes_the_slowest_stage_once_capacities_are_known():
+    drv = peer("a", 0, "driver", capacity=1000.0)
+    # counts say stage 2 (1 peer against 2); rates say stage 1 (150 against 400)
+    snap = [drv, peer("f", 1, capacity=100.0), peer("g", 1, capacity=50.0), peer("b", 2, capacity=400.0)]
+    assert choose_stage(snap, 3) == 1
+    assert choose_stage(snap + [peer("c", 2, state="offline", capacity=1.0)], 3) == 1
+    assert choose_stage(snap[1:], 3) == 0  # an empty stage first
+
+
+def test_stage_costs_of_the_bundled_model_shape():
+    """FLOPs per token per stage from a Llama config: SmolLM2-135M's shape (30 layers, hidden 576, 9 heads of 64,
+    3 kv heads, MLP 1536, vocabulary 49152) in 3 stages: the last stage (10 layers and the lm_head) costs 1.77x a
+    middle one; the count is 6 x the multiply-adds, checked here by hand for one layer."""
+    from types import SimpleNamespace
+
+    from meshnode.model import stage_costs
+
+    cfg = SimpleNamespace(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                          intermediate_size=1536, num_hidden_layers=30, vocab_size=49152)
+    costs = stage_costs(cfg, 3, (), seq_len=256)
+    layer = 576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536 + 256 * 576
+    assert costs[0] == costs[1] == 6 * 10 * layer
+    assert costs[2] == 6 * (10 * layer + 49152 * 576)
+    assert costs[2] / costs[1] == pytest.approx(1.768, abs=1e-3)
+    assert stage_costs(cfg, 3, (5, 10), seq_len=256)[0] == 6 * 5 * layer  # explicit boundaries
+
+
 def test_a_peer_moves_only_after_the_stage_stayed_empty_and_a_full_read_agrees(monkeypatch):
     """The daemon's side of rebalancing: the stage ``should_rebalance`` names must stay empty for
     ``rebalance_after`` seconds (a peer that comes back in time resets the wait), and a full read of the records
@@ -83,7 +180,7 @@ def test_a_peer_moves_only_after_the_stage_stayed_empty_and_a_full_read_agrees(m
     node = daemon_mod.SwarmNode.__new__(daemon_mod.SwarmNode)
     node.opts = SimpleNamespace(rebalance_after=5.0)
     node.swarm = SimpleNamespace(peer_id="b", refresh=refresh)
-    node.num_stages, node.stage, node.move_to, node._starved = 3, 1, None, None
+    node.num_stages, node.stage, node.move_to, node._starved, node.stage_costs = 3, 1, None, None, None
     full_view = [served]
 
     async def scenario():
@@ -582,6 +679,29 @@ def test_a_partial_read_updates_the_snapshot_without_dropping_peers():
     assert {r.peer_id: r.step for r in merge_peers(list(out.values()), stale, now=60.0)}["a"] == 4
 
 
+def test_a_record_of_another_owner_replaces_nothing_until_the_peer_names_its_key():
+    """The merge's side of the owner check: a record signed by another owner than the held record of its peer id
+    does not replace it, however late its ``updated``; such peer ids are reported as conflicts; once the peer
+    answered for an owner (``bound``), that owner's records win and the other's are dropped, held or found."""
+    from meshnode.node.swarm import merge_peers, owner_conflicts
+
+    held = [peer("a", 1, updated=10.0, expiration=100.0, owner="ssh-rsa A", state="online")]
+    rogue = [peer("a", 1, updated=99.0, expiration=100.0, owner="ssh-rsa R", state="offline")]
+    assert merge_peers(held, rogue, now=50.0)[0].state == "online"
+    assert owner_conflicts(held + rogue) == {"a"}
+    assert owner_conflicts(held + rogue, {"a": "ssh-rsa A"}) == set()
+    assert owner_conflicts(held + [peer("a", 1, owner="ssh-rsa A"), peer("b", 1, owner="ssh-rsa R")]) == set()
+    # the peer answered for A: the rogue's records are dropped wherever they are
+    assert merge_peers(rogue, held, now=50.0, bound={"a": "ssh-rsa A"})[0].owner == "ssh-rsa A"
+    assert merge_peers(held, rogue, now=50.0, bound={"a": "ssh-rsa A"})[0].state == "online"
+    # ... or for R (a genuine peer that restarted with a new key): R's records replace A's
+    assert merge_peers(held, rogue, now=50.0, bound={"a": "ssh-rsa R"})[0].state == "offline"
+    assert merge_peers(held, [], now=50.0, bound={"a": "ssh-rsa R"}) == []
+    # the same owner's newer record still replaces the held one
+    newer = [peer("a", 1, updated=11.0, expiration=100.0, owner="ssh-rsa A", state="offline")]
+    assert merge_peers(held, newer, now=50.0)[0].state == "offline"
+
+
 def test_a_full_read_that_finds_nothing_keeps_the_live_peers():
     """On a congested link the holders may not answer a full read in time: the snapshot keeps every record
     that has not expired (it used to be replaced by the empty answer: "no peer online" with all peers alive)."""
@@ -688,3 +808,23 @@ def test_a_cut_stream_on_the_live_replica_costs_a_retry_not_a_stall(monkeypatch)
     with pytest.raises(swarm_mod.ChainError):
         asyncio.run(call(20.0))
     assert len(calls) == 4
+
+
+def test_a_slowed_host_announces_a_lower_capacity():
+    """``meshnode join --slowdown F``: each forward / backward holds the host's thread F times as long as its work,
+    counted as compute, so the capacity the peer announces (tokens per second of compute) drops by about F."""
+    import time
+
+    from meshnode.node.host import StageHost
+
+    host = StageHost.__new__(StageHost)
+    host.compute_s, host.slowdown = 0.0, 3.0
+
+    def work():
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.02:  # 20 ms of busy work
+            pass
+        return "done"
+
+    assert host._timed(work) == "done"
+    assert 0.059 <= host.compute_s < 2.0, host.compute_s  # 20 ms of work (or more, if descheduled) held 3x as long

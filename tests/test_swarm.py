@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ import torch
 from meshnode.config import load_config
 from meshnode.node.procs import PeerProcess, start_peer, tail
 from meshnode.protocol import keys
+from meshnode.protocol.records import PeerRecord
 
 from .conftest import TINY
 
@@ -531,3 +533,96 @@ def test_a_peer_moves_from_a_crowded_stage_to_a_thin_one(swarm_factory, tmp_path
     by_stage = {s["stage"]: s for s in sw.status()["stages"]}
     assert mover[0].ready()["peer_id"] in by_stage[2]["fast_peers"] and len(by_stage[2]["fast_peers"]) == 2
     assert len(by_stage[1]["fast_peers"]) == 2, by_stage
+
+
+def test_a_fast_peer_moves_to_a_stage_of_slow_ones(swarm_factory, tmp_path):
+    """Rebalancing by speed: stage 1 has two movable peers, stage 2 two pinned ones that emulate hardware 4x slower
+    (``--slowdown 4``). The counts are equal, so only the capacities the peers announce show that stage 2 is the
+    bottleneck: one of stage 1's peers moves there, the other stays (a stage's last peer never leaves), and the
+    warning names both stages' rates."""
+    sw = swarm_factory(THREE + ["train.steps=20000", "train.warmup_steps=5"])
+    metrics = tmp_path / "speed.jsonl"
+    sw.start("driver", "--stage", "0", "--metrics-out", str(metrics))
+    for name in ("s2a", "s2b"):
+        sw.start(name, "--stage", "2", "--slowdown", "4")
+    fast = [sw.start(name, "--stage", "1", "--rebalance-after", "3") for name in ("s1a", "s1b")]
+
+    def moved():
+        return [m for m in fast if "moving there from stage 1" in m.log.read_text()]
+
+    mover = wait_for(moved, 120, "a stage-1 peer to move to stage 2")
+    log = mover[0].log.read_text()
+    assert re.search(r"stage 2 serves \d+ tokens/s with 2 fast peers against \d+ with 2 here", log), tail(mover[0].log)
+    wait_for(lambda: "loaded stage 2 state" in mover[0].log.read_text(), 60, "the mover to load stage 2's state")
+    moved_at = len(sw.metrics(metrics))
+    wait_for(lambda: len(sw.metrics(metrics)) >= moved_at + 10, 120, "training to go on")
+    assert len(moved()) == 1, [tail(m.log) for m in fast]
+    by_stage = {s["stage"]: s for s in sw.status()["stages"]}
+    assert len(by_stage[2]["fast_peers"]) == 3 and len(by_stage[1]["fast_peers"]) == 1, by_stage
+    assert mover[0].ready()["peer_id"] in by_stage[2]["fast_peers"]
+
+
+def test_a_record_that_names_another_peer_does_not_shadow_it():
+    """Any key may publish a record under the peers key, and a record's ``updated`` time is its publisher's word:
+    a rogue that names a live peer's id with a later ``updated`` used to replace that peer's record in every
+    snapshot (here: "offline", which takes it out of routing and DP). A record signed by another owner than the
+    one held for a peer id now replaces nothing until the peer itself, asked over its authenticated libp2p
+    connection (``rpc_owner``), names its key; then the rogue's records are dropped. Both orders: the genuine
+    record seen first, and the rogue's."""
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from meshnode.node.swarm import SwarmClient, start_dht
+
+    cfg = load_config(TINY, [])
+    run, stages = cfg.run_id, cfg.model.stages
+
+    async def scenario(rogue_first: bool):
+        dhts = []
+
+        async def client(initial):
+            key = keys.load_or_create_identity(None)
+            dht = await asyncio.to_thread(start_dht, run, stages, initial_peers=initial,
+                                          host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity=key)
+            dhts.append(dht)
+            c = SwarmClient(dht, run, key)
+            await c.start()
+            return c
+
+        try:
+            genuine = await client([])
+            boot = [str(a) for a in genuine.dht.get_visible_maddrs(latest=True)][:1]
+            rogue, observer = await client(boot), await client(boot)
+
+            async def impersonate():
+                fake = PeerRecord(peer_id=genuine.peer_id, role="fast", stage=1, num_stages=stages, state="offline",
+                                  updated=time.time() + 1000.0)
+                assert await rogue.dht.store(keys.peers_key(run), fake.to_value(), get_dht_time() + 120,
+                                             subkey=rogue.owner, return_future=True)
+
+            async def announce():
+                assert await genuine.announce(PeerRecord(peer_id="", role="fast", stage=1, num_stages=stages,
+                                                         state="online"), 120)
+
+            first, second = (impersonate, announce) if rogue_first else (announce, impersonate)
+            await first()
+            held = {r.peer_id: r for r in await observer.refresh(full=True)}
+            assert held[genuine.peer_id].state == ("offline" if rogue_first else "online")
+            await second()
+            snap = {r.peer_id: r for r in await observer.refresh(full=True)}
+            # the conflict is seen: until the peer answers, the record held first stays (whoever published it)
+            assert snap[genuine.peer_id].state == held[genuine.peer_id].state
+            assert observer._owner_tasks, "the observer did not ask the peer which key is its own"
+            await asyncio.wait_for(asyncio.gather(*observer._owner_tasks), 30)
+            assert observer.bound_owners() == {genuine.peer_id: keys.owner_of(genuine.owner)}
+            snap = {r.peer_id: r for r in await observer.refresh(full=True)}
+            assert snap[genuine.peer_id].state == "online" and snap[genuine.peer_id].owner == keys.owner_of(
+                genuine.owner)
+            await impersonate()  # newer rogue records change nothing any more
+            snap = {r.peer_id: r for r in await observer.refresh(full=True)}
+            assert snap[genuine.peer_id].state == "online"
+        finally:
+            for dht in dhts:
+                dht.shutdown()
+
+    for rogue_first in (False, True):
+        asyncio.run(scenario(rogue_first))

@@ -26,7 +26,7 @@ from ..protocol import keys
 from ..protocol.limits import Limits
 from ..protocol.messages import WireError
 from ..protocol.records import PeerRecord, make_schema_validator, parse_peers
-from ..protocol.servicer import RPCError, call_rpc
+from ..protocol.servicer import RPCContext, RPCError, RPCServicer, call_rpc
 
 logger = logging.getLogger(__name__)
 
@@ -63,16 +63,54 @@ def order_candidates(peers: list[PeerRecord], inflight: dict[str, int], rng: ran
 FULL_REFRESH_PERIOD = 10.0  # seconds between full (every-holder) reads of the peer records
 STREAM_CUT_PAUSE_S = 1.0  # how long a peer whose reply stream was cut is passed over (see call_stage)
 PARTNER_MEMORY_S = 30.0  # a same-stage peer seen online this recently still counts as a DP partner
+OWNER_REPLY_MAX_BYTES = 64 * 1024  # rpc_owner's frames (a public key)
+OWNER_CHECK_TIMEOUT_S = 5.0
+OWNER_RECHECK_S = 30.0  # a peer id whose owner could not be checked is asked again after this long
+OWNER_BIND_S = 600.0  # a checked owner is trusted this long (a peer may restart with another key)
 
 
-def merge_peers(held: list[PeerRecord], found: list[PeerRecord], now: float) -> list[PeerRecord]:
-    """``held`` updated with ``found``: per peer the record announced last; records expired by ``now`` dropped."""
-    out = {r.peer_id: r for r in held if r.expiration > now}
+def merge_peers(held: list[PeerRecord], found: list[PeerRecord], now: float,
+                bound: dict[str, str] | None = None) -> list[PeerRecord]:
+    """``held`` updated with ``found``: per peer the record announced last; records expired by ``now`` dropped.
+
+    A record's ``updated`` time is its publisher's word, and any key can publish a record that names any peer id.
+    So a record signed by another owner than the held record of that peer id does not replace it, however new,
+    unless ``bound`` (peer id -> the owner that peer answered with over its own authenticated connection,
+    :meth:`SwarmClient.check_owner`) names the newcomer's owner; records ``bound`` contradicts are dropped."""
+    bound = bound or {}
+
+    def genuine(r: PeerRecord) -> bool:
+        return bound.get(r.peer_id, r.owner) == r.owner
+
+    out = {r.peer_id: r for r in held if r.expiration > now and genuine(r)}
     for r in found:
+        if not genuine(r):
+            continue
         old = out.get(r.peer_id)
-        if old is None or r.updated >= old.updated:
+        if old is None or (r.updated >= old.updated and (r.owner == old.owner or r.peer_id in bound)):
             out[r.peer_id] = r
     return sorted(out.values(), key=lambda r: (r.stage, r.peer_id))
+
+
+def owner_conflicts(records: list[PeerRecord], bound: dict[str, str] | None = None) -> set[str]:
+    """Peer ids that records of two or more owners claim, and ``bound`` does not settle yet."""
+    owners: dict[str, set[str]] = {}
+    for r in records:
+        owners.setdefault(r.peer_id, set()).add(r.owner)
+    return {pid for pid, o in owners.items() if len(o) > 1 and pid not in (bound or {})}
+
+
+class OwnerServicer(RPCServicer):
+    """``{run}.rpc_owner``: this peer's record-signing public key, over the libp2p connection that authenticates its
+    peer id. Every peer serves it for as long as its DHT runs; it settles which of two records that name the same
+    peer id is that peer's."""
+
+    def __init__(self, owner: str):
+        super().__init__(OWNER_REPLY_MAX_BYTES)
+        self.owner = owner
+
+    async def rpc_owner(self, request: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+        return {"ok": True, "owner": self.owner}
 
 
 class SwarmError(RuntimeError):
@@ -126,9 +164,15 @@ class SwarmClient:
         self.full_refresh_period = FULL_REFRESH_PERIOD
         self._last_full = -float("inf")
         self._seen: dict[str, tuple[float, int]] = {}  # serving peer id -> (last seen online, stage)
+        # peer id -> (the owner it answered with, when): settles records of two owners that name one peer id
+        self._bound: dict[str, tuple[str, float]] = {}
+        self._owner_asked: dict[str, float] = {}  # peer id -> when its owner was last asked
+        self._owner_tasks: set[asyncio.Task] = set()
+        self.owner_servicer = OwnerServicer(keys.owner_of(self.owner) or "")
 
     async def start(self) -> None:
         self.p2p = await self.dht.replicate_p2p()
+        await self.owner_servicer.add_p2p_handlers(self.p2p, self.run_id)
 
     # ---- the snapshot ----------------------------------------------------------------------
 
@@ -153,10 +197,58 @@ class SwarmClient:
             # a full read merges too: on a congested link some holders (or all) do not answer in time, and
             # replacing the snapshot with what came back emptied it ("no peer online") while every peer was
             # alive (docs/throughput.md, 2026-12-03 fourth session); records still leave when they expire
-            self.peers = merge_peers(self.peers, parse_peers(found), get_dht_time())
+            found = parse_peers(found)
+            bound = self.bound_owners()
+            for pid in owner_conflicts([*self.peers, *found], bound):
+                self._ask_owner(pid)
+            self.peers = merge_peers(self.peers, found, get_dht_time(), bound)
             self.snapshot_time = time.monotonic()
             self._remember(self.peers)
             return self.peers
+
+    def bound_owners(self) -> dict[str, str]:
+        """Peer id -> the owner that peer answered with, for the answers younger than ``OWNER_BIND_S``."""
+        now = time.monotonic()
+        for pid in [p for p, (_, t) in self._bound.items() if now - t > OWNER_BIND_S]:
+            del self._bound[pid]
+        return {pid: owner for pid, (owner, _) in self._bound.items()}
+
+    def _ask_owner(self, peer_id: str) -> None:
+        now = time.monotonic()
+        if self.p2p is None or now - self._owner_asked.get(peer_id, -float("inf")) < OWNER_RECHECK_S:
+            return
+        self._owner_asked[peer_id] = now
+        if len(self._owner_asked) > 4096:  # bound the table: forget the oldest
+            for pid in sorted(self._owner_asked, key=self._owner_asked.get)[:2048]:
+                self._owner_asked.pop(pid, None)
+        task = asyncio.create_task(self.check_owner(peer_id))
+        self._owner_tasks.add(task)
+        task.add_done_callback(self._owner_tasks.discard)
+
+    async def check_owner(self, peer_id: str) -> str | None:
+        """Ask ``peer_id`` itself which key signs its records (``rpc_owner``; the libp2p connection authenticates the
+        peer id) and trust that owner's records for it from now on. None when it cannot be reached or answers
+        nonsense; the snapshot then keeps the record it held first."""
+        try:
+            reply = await call_rpc(self.p2p, PeerID.from_base58(peer_id), f"{self.run_id}.rpc_owner", {},
+                                   max_bytes=OWNER_REPLY_MAX_BYTES, timeout=OWNER_CHECK_TIMEOUT_S,
+                                   connect_timeout=OWNER_CHECK_TIMEOUT_S)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.info("records of two owners name peer %s, which did not say which is its own: %s", peer_id[-8:],
+                        exc)
+            return None
+        owner = reply.get("owner")
+        if not isinstance(owner, str) or not owner.startswith("ssh-rsa "):
+            logger.warning("peer %s answered rpc_owner with no key", peer_id[-8:])
+            return None
+        self._bound[peer_id] = (owner, time.monotonic())
+        impostors = [r for r in self.peers if r.peer_id == peer_id and r.owner != owner]
+        self.peers = [r for r in self.peers if r not in impostors]
+        logger.warning("records of two owners name peer %s: it answered for %s; the other's records are ignored",
+                       peer_id[-8:], owner[8:24] + "...")
+        return owner
 
     async def refresh_full(self, max_age: float = 1.0) -> list[PeerRecord]:
         """A full read of the records, unless one finished less than ``max_age`` seconds ago (several callers
@@ -287,10 +379,12 @@ class SwarmClient:
         raise ChainError(f"stage {stage}: no peer could take the microbatch ({'; '.join(errors) or 'no peer online'})")
 
     async def shutdown(self) -> None:
+        for task in list(self._owner_tasks):
+            task.cancel()
         if self.p2p is not None:
             with contextlib.suppress(Exception):
                 await self.p2p.shutdown()
         self.dht.shutdown()
 
 
-__all__ = ["ChainError", "SwarmClient", "SwarmError", "merge_peers", "start_dht"]
+__all__ = ["ChainError", "OwnerServicer", "SwarmClient", "SwarmError", "merge_peers", "owner_conflicts", "start_dht"]

@@ -66,7 +66,10 @@ class RPCServicer:
 
     @classmethod
     def rpc_names(cls) -> list[str]:
-        return [n for n in dir(cls) if n.startswith("rpc_")]
+        """The handlers: coroutine or async-generator methods named ``rpc_<verb>`` (not this method: registered as a
+        handler, two servicers on one peer clashed on it)."""
+        return [n for n in dir(cls) if n.startswith("rpc_") and n != "rpc_names"
+                and (inspect.iscoroutinefunction(getattr(cls, n)) or inspect.isasyncgenfunction(getattr(cls, n)))]
 
     async def add_p2p_handlers(self, p2p: P2P, namespace: str) -> None:
         for name in self.rpc_names():
