@@ -73,13 +73,13 @@ def test_rebalancing_by_speed_weighs_announced_capacities():
     snap = [drv, peer("f", 1, capacity=300.0, **m), *(peer(x, 2, capacity=100.0, **m) for x in "bcd")]
     assert stage_rates(snap, 3) == [1000.0, 300.0, 300.0]
     assert [should_rebalance(snap, 3, x) for x in "abcdf"] == [None] * 5
-    # two fast peers in stage 1 (600 tokens/s), two slow ones in stage 2 (200): one fast one moves (300 / 500,
-    # the slowest stage 1.5x faster); counts are equal, so the count rule would not move anyone
+    # two fast peers in stage 1 (600 tokens/s), two slow ones in stage 2 (190): one fast one moves (300 / 490,
+    # the slowest stage 1.58x faster); counts are equal, so the count rule would not move anyone
     snap = [drv, peer("f", 1, capacity=300.0, **m), peer("g", 1, capacity=300.0, **m),
-            peer("b", 2, capacity=100.0, **m), peer("c", 2, capacity=100.0, **m)]
+            peer("b", 2, capacity=95.0, **m), peer("c", 2, capacity=95.0, **m)]
     assert [should_rebalance(snap, 3, x) for x in "fgbc"] == [2, None, None, None]
     after = [drv, peer("g", 1, capacity=300.0, **m), peer("f", 2, capacity=300.0, **m),
-             peer("b", 2, capacity=100.0, **m), peer("c", 2, capacity=100.0, **m)]
+             peer("b", 2, capacity=95.0, **m), peer("c", 2, capacity=95.0, **m)]
     assert [should_rebalance(after, 3, x) for x in "fgbc"] == [None] * 4  # and it does not move back
     # below the margin nobody moves: 260 + 140 against 200 -> 260 / 340 is a gain of 1.3
     snap = [drv, peer("f", 1, capacity=260.0, **m), peer("g", 1, capacity=140.0, **m),
@@ -98,6 +98,13 @@ def test_rebalancing_by_speed_weighs_announced_capacities():
     # a stage's only peer never leaves it, however fast
     snap = [drv, peer("f", 1, capacity=900.0, **m), peer("b", 2, capacity=100.0, **m)]
     assert [should_rebalance(snap, 3, x) for x in "fb"] == [None, None]
+    # while a peer is in transit (its record offline, or joining its new stage) it counts nowhere: no second move
+    moving = [drv, peer("f", 1, state="offline", capacity=300.0, **m), peer("g", 1, capacity=300.0, **m),
+              peer("h", 1, capacity=300.0, **m), peer("b", 2, capacity=50.0, **m)]
+    assert [should_rebalance(moving, 3, x) for x in "ghb"] == [None] * 3
+    joining = [*moving[2:], drv, peer("f", 2, state="joining", **m)]
+    assert [should_rebalance(joining, 3, x) for x in "ghb"] == [None] * 3
+    assert [should_rebalance([drv, *moving[2:]], 3, x) for x in "ghb"] == [2, None, None]  # f gone for good
     # a starved stage still comes first (the count rule), whatever the speeds
     snap = [drv, peer("f", 1, capacity=50.0, **m), peer("g", 1, capacity=900.0, **m)]
     assert [should_rebalance(snap, 3, x) for x in "fg"] == [2, None]
@@ -105,8 +112,9 @@ def test_rebalancing_by_speed_weighs_announced_capacities():
 
 def test_rebalancing_by_speed_carries_a_speed_across_stages_by_their_costs():
     """A stage that costs twice as much per token serves half the tokens per second on the same hardware: with
-    costs (1, 1, 2), two equal peers in stage 1 and two in stage 2 are as balanced as they can be (moving one
-    would leave stage 1 at 100 against 150); with equal costs the same capacities say stage 2 is short of nothing."""
+    costs (1, 1, 2), two equal peers in stage 1 and two in stage 2 are as balanced as they can be (400 and 200
+    tokens/s; moving one would make it 200 and 300, no faster). A move is judged by the speed it brings, carried
+    by cost, and a peer that announced no capacity counts as the median speed, carried the same way."""
     m = dict(movable=True)
     drv = peer("a", 0, "driver", capacity=1000.0)
     # the same hardware (200 tokens/s of stage-1 work, 100 of stage-2 work)
@@ -119,12 +127,22 @@ def test_rebalancing_by_speed_carries_a_speed_across_stages_by_their_costs():
     # had the costs been taken as equal, the mover would have been expected to bring 200 tokens/s to stage 2
     # (a gain of 3 instead of 2): the decision is the same here, the estimate is not
     assert should_rebalance(snap, 3, "f") == 2
-    # a peer that announced no capacity yet counts as the mean speed of those that did, carried by cost
+    # a peer that announced no capacity yet counts as the median speed of those that did, carried by cost
     # (the driver too: it has not announced one either)
     snap = [peer("a", 0, "driver"), peer("f", 1, capacity=200.0, **m), peer("g", 1, **m),
             peer("b", 2, capacity=100.0, **m), peer("c", 2, **m)]
     assert stage_rates(snap, 3, costs=[1.0, 1.0, 2.0]) == pytest.approx([200.0, 400.0, 200.0])
-    assert stage_rates(snap, 3) == pytest.approx([150.0, 350.0, 250.0])  # equal costs: the mean of 200 and 100
+    assert stage_rates(snap, 3) == pytest.approx([150.0, 350.0, 250.0])  # equal costs: the median of 200 and 100
+    # the median, not the mean: one record announcing an absurd capacity lends it to no newcomer
+    absurd = snap + [peer("x", 1, capacity=1e12, **m)]
+    assert stage_rates(absurd, 3)[2] == pytest.approx(100.0 + 200.0)
+    # a capacity too small to mean anything counts as unknown (it once made a stage's rate 0 and the gain 1 / 0)
+    tiny = [peer("a", 0, "driver", capacity=1000.0), peer("f", 1, capacity=5e-324, **m), peer("g", 1, **m),
+            peer("b", 2, capacity=100.0, **m)]
+    # (the median work rate of the driver's 1000 x 1e8 and b's 100 x 3e8 is 6.5e10: 650 tokens/s of stage 1 each)
+    assert stage_rates(tiny, 3, costs=[1e8, 1e8, 3e8]) == pytest.approx([1000.0, 1300.0, 100.0])
+    assert should_rebalance(tiny, 3, "f", costs=[1e8, 1e8, 3e8]) == 2  # (650, 100 + 650 / 3): 3.2x
+    assert should_rebalance(tiny, 3, "f") == 2  # equal costs: 550 each, (550, 650): 5.5x
     with pytest.raises(ValueError, match="stage costs"):
         stage_rates(snap, 3, costs=[1.0, 0.0, 2.0])
     with pytest.raises(ValueError, match="stage costs"):
@@ -133,11 +151,13 @@ def test_rebalancing_by_speed_carries_a_speed_across_stages_by_their_costs():
 
 def test_a_joining_peer_takes_the_slowest_stage_once_capacities_are_known():
     drv = peer("a", 0, "driver", capacity=1000.0)
-    # counts say stage 2 (1 peer against 2); rates say stage 1 (150 against 400)
+    # counts say stage 0 (one peer, as stage 2, and the lower index); rates say stage 1 (150 against 400)
     snap = [drv, peer("f", 1, capacity=100.0), peer("g", 1, capacity=50.0), peer("b", 2, capacity=400.0)]
     assert choose_stage(snap, 3) == 1
     assert choose_stage(snap + [peer("c", 2, state="offline", capacity=1.0)], 3) == 1
     assert choose_stage(snap[1:], 3) == 0  # an empty stage first
+    # stage 0's drivers each read a data shard: a fast peer goes there only when it is empty, however slow it is
+    assert choose_stage([peer("a", 0, "driver", capacity=10.0), *snap[1:]], 3) == 1
 
 
 def test_stage_costs_of_the_bundled_model_shape():
@@ -689,8 +709,14 @@ def test_a_record_of_another_owner_replaces_nothing_until_the_peer_names_its_key
     rogue = [peer("a", 1, updated=99.0, expiration=100.0, owner="ssh-rsa R", state="offline")]
     assert merge_peers(held, rogue, now=50.0)[0].state == "online"
     assert owner_conflicts(held + rogue) == {"a"}
-    assert owner_conflicts(held + rogue, {"a": "ssh-rsa A"}) == set()
+    assert owner_conflicts(held, {"a": "ssh-rsa A"}) == set()
+    # settled for A, a record of R still asks again (the client at most every 30 s per id): the peer may have
+    # restarted with R's key
+    assert owner_conflicts(held + rogue, {"a": "ssh-rsa A"}) == {"a"}
     assert owner_conflicts(held + [peer("a", 1, owner="ssh-rsa A"), peer("b", 1, owner="ssh-rsa R")]) == set()
+    # ids that no record says are serving cost no call, however many owners claim them
+    ghosts = [peer("z", 1, state="offline", owner=f"ssh-rsa {k}") for k in "XYZ"]
+    assert owner_conflicts(ghosts) == set()
     # the peer answered for A: the rogue's records are dropped wherever they are
     assert merge_peers(rogue, held, now=50.0, bound={"a": "ssh-rsa A"})[0].owner == "ssh-rsa A"
     assert merge_peers(held, rogue, now=50.0, bound={"a": "ssh-rsa A"})[0].state == "online"
@@ -700,6 +726,57 @@ def test_a_record_of_another_owner_replaces_nothing_until_the_peer_names_its_key
     # the same owner's newer record still replaces the held one
     newer = [peer("a", 1, updated=11.0, expiration=100.0, owner="ssh-rsa A", state="offline")]
     assert merge_peers(held, newer, now=50.0)[0].state == "offline"
+
+
+def test_owner_checks_are_bounded_and_a_peer_trusts_its_own_key_for_its_own_id(monkeypatch):
+    """Records naming many peer ids must not make a peer dial them all: at most OWNER_CHECKS_IN_FLIGHT checks at
+    once, each id at most every OWNER_RECHECK_S, the table of asked ids bounded. A peer's own id is bound to its own
+    key (it cannot dial itself to settle a rogue's record of its id)."""
+    import asyncio
+
+    from meshnode.node import swarm as swarm_mod
+
+    clock = [1000.0]
+    monkeypatch.setattr(swarm_mod.time, "monotonic", lambda: clock[0])
+    key = keys.load_or_create_identity(None)
+    client = swarm_mod.SwarmClient(_FakeDHT(), "run", identity=key)  # this peer's id is "me"
+    assert client.bound_owners() == {"me": keys.public_key_string(key)}
+    mine = peer("me", 1, owner=keys.public_key_string(key), updated=1.0, expiration=1e12)
+    rogue = peer("me", 2, owner="ssh-rsa R", updated=99.0, expiration=1e12)
+    assert swarm_mod.merge_peers([rogue], [mine], now=0.0, bound=client.bound_owners()) == [mine]
+    assert swarm_mod.owner_conflicts([mine, rogue], client.bound_owners()) == {"me"}  # (asked: see _ask_owner)
+
+    release = asyncio.Event()
+    asked: list[str] = []
+
+    async def check_owner(pid):
+        asked.append(pid)
+        await release.wait()
+
+    client.check_owner = check_owner
+    client.p2p = object()
+
+    async def go():
+        for i in range(3 * swarm_mod.OWNER_CHECKS_IN_FLIGHT):
+            client._ask_owner(f"p{i}")
+        await asyncio.sleep(0)  # let the started checks run up to their wait
+        assert len(asked) == len(client._owner_tasks) == swarm_mod.OWNER_CHECKS_IN_FLIGHT
+        release.set()
+        await asyncio.gather(*client._owner_tasks)
+        client._ask_owner("p0")  # asked a moment ago: not again
+        clock[0] += swarm_mod.OWNER_RECHECK_S
+        client._ask_owner("p0")  # ... but after OWNER_RECHECK_S
+        await asyncio.gather(*client._owner_tasks)
+        # a table full of recent asks refuses new ones instead of forgetting them
+        client._owner_asked = {f"q{i}": clock[0] for i in range(swarm_mod.OWNER_TABLE_MAX)}
+        client._ask_owner("new")
+        clock[0] += swarm_mod.OWNER_RECHECK_S  # once they are old, they make room
+        client._ask_owner("new")
+        await asyncio.gather(*client._owner_tasks)
+
+    asyncio.run(go())
+    assert asked == [f"p{i}" for i in range(swarm_mod.OWNER_CHECKS_IN_FLIGHT)] + ["p0", "new"]
+    assert len(client._owner_asked) <= swarm_mod.OWNER_TABLE_MAX
 
 
 def test_a_full_read_that_finds_nothing_keeps_the_live_peers():
@@ -828,3 +905,17 @@ def test_a_slowed_host_announces_a_lower_capacity():
 
     assert host._timed(work) == "done"
     assert 0.059 <= host.compute_s < 2.0, host.compute_s  # 20 ms of work (or more, if descheduled) held 3x as long
+    # what the peer announces: tokens over compute seconds of its recent microbatches
+    from collections import deque
+
+    host._window = deque([(time.monotonic(), 128, host.compute_s)])
+    assert host.capacity() == pytest.approx(128 / host.compute_s)
+    assert host.capacity() <= 128 / 0.059
+
+    def fails():
+        raise RuntimeError("out of memory")
+
+    before = host.compute_s
+    with pytest.raises(RuntimeError):
+        host._timed(fails)
+    assert host.compute_s - before < 0.01  # a failed call is not held

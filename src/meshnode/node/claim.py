@@ -2,7 +2,7 @@
 
 A stage's *rate* is the tokens per second its fast peers (joining or online) can serve between them: the sum of
 their announced capacities (tokens per second of their own forward + backward work). A peer that announced none
-yet counts as the mean speed of those that did. Speeds carry across stages by the stages' costs (FLOPs per
+yet counts as the median speed of those that did. Speeds carry across stages by the stages' costs (FLOPs per
 token, :func:`meshnode.model.stage_costs`; equal when not given): a peer serving stage a at c tokens/s would
 serve stage b at ``c x cost_a / cost_b``.
 
@@ -23,7 +23,9 @@ A running peer moves (rebalancing) when
   that pair of stages, the smallest id of the movable peers whose move gains that much (a stable choice: which
   of two similar peers' moves gains most flips with their measurements). Stage 0's rate is set by the drivers
   that join, so it counts only when the mover leaves it. The margin keeps measurement noise and a move's own
-  cost from making peers move back and forth: a move that pays by ``GAIN`` leaves the reverse move a loss.
+  cost from making peers move back and forth: a move that pays by ``GAIN`` leaves the reverse move a loss. No
+  move by speed is named while a fast peer is in transit (an ``offline`` record not yet expired, or a
+  ``joining`` one): a mover counts in no stage until it serves, and a second mover would overshoot.
 """
 
 from __future__ import annotations
@@ -58,14 +60,26 @@ def _costs(costs: Sequence[float] | None, num_stages: int) -> list[float]:
     return out
 
 
+MIN_CAPACITY = 1e-3  # tokens/s; a capacity announced below this counts as unknown
+
+
 def _speeds(serving: list[list[PeerRecord]], costs: list[float]) -> list[list[float]] | None:
-    """Per stage, per fast peer: its capacity there (tokens/s), an unknown one the mean of the known ones carried
-    over by cost; None when no peer announced a capacity."""
-    work = [p.capacity * costs[s] for s, ps in enumerate(serving) for p in ps if p.capacity > 0]
+    """Per stage, per fast peer: its capacity there (tokens/s), an unknown one the median of the known ones carried
+    over by cost (the median: one record announcing an absurd capacity must not lend it to every newcomer); None
+    when no peer announced a capacity."""
+    work = sorted(p.capacity * costs[s] for s, ps in enumerate(serving) for p in ps if p.capacity >= MIN_CAPACITY)
     if not work:
         return None
-    mean = sum(work) / len(work)
-    return [[p.capacity if p.capacity > 0 else mean / costs[s] for p in ps] for s, ps in enumerate(serving)]
+    mid = len(work) // 2
+    typical = work[mid] if len(work) % 2 else (work[mid - 1] + work[mid]) / 2
+    return [[p.capacity if p.capacity >= MIN_CAPACITY else typical / costs[s] for p in ps]
+            for s, ps in enumerate(serving)]
+
+
+def _in_transit(peers: Sequence[PeerRecord]) -> bool:
+    """A fast peer is between stages or setting one up (``offline`` record not yet expired, or ``joining``): its
+    speed is counted nowhere, or only as an estimate, until it serves."""
+    return any(p.role in ("fast", "driver") and p.state in ("offline", "joining") for p in peers)
 
 
 def stage_rates(peers: Sequence[PeerRecord], num_stages: int,
@@ -77,7 +91,9 @@ def stage_rates(peers: Sequence[PeerRecord], num_stages: int,
 
 def choose_stage(peers: Sequence[PeerRecord], num_stages: int, exclude: str | None = None,
                  costs: Sequence[float] | None = None) -> int:
-    """The stage a joining peer should serve (``exclude``: its own peer id, when re-choosing)."""
+    """The stage a joining peer should serve (``exclude``: its own peer id, when re-choosing). A peer joins before it
+    has loaded the model, so the daemon passes no ``costs`` then: the rates are the peers' measured ones, and only
+    the estimate for peers that announced no capacity yet is not carried by cost."""
     if num_stages <= 0:
         raise ValueError(f"num_stages must be > 0, got {num_stages}")
     peers = [p for p in peers if p.peer_id != exclude]
@@ -85,7 +101,9 @@ def choose_stage(peers: Sequence[PeerRecord], num_stages: int, exclude: str | No
     rates = stage_rates(peers, num_stages, costs)
     if rates is None:
         return min(range(num_stages), key=lambda s: (loads[s][0], loads[s][1], s))
-    return min(range(num_stages), key=lambda s: (loads[s][0] > 0, rates[s], s))
+    # stage 0 (drivers, each reading a data shard) only when it has no peer, as for a move
+    return min((s for s in range(num_stages) if s > 0 or loads[s][0] == 0 or num_stages == 1),
+               key=lambda s: (loads[s][0] > 0, rates[s], s))
 
 
 def starved_stages(peers: Sequence[PeerRecord], num_stages: int) -> list[int]:
@@ -109,6 +127,8 @@ def should_rebalance(peers: Sequence[PeerRecord], num_stages: int, me: str,
     cost = _costs(costs, num_stages)
     speeds = _speeds(serving, cost)
     if speeds is not None and all(counts[s] > 0 for s in targets):
+        if _in_transit(peers):  # a peer moving now counts nowhere: a second mover would overshoot
+            return None
         move = best_move(serving, speeds, cost, movable)
         return move[1] if move is not None and move[0] == me else None
     least = min(targets, key=lambda s: (counts[s], s))
@@ -137,6 +157,8 @@ def best_move(serving: list[list[PeerRecord]], speeds: list[list[float]], costs:
             continue
         counted = [s for s in range(num_stages) if s > 0 or a == 0]  # stage 0 counts when the mover leaves it
         before = min(rates[s] for s in counted)
+        if before <= 0:
+            continue
         for p, c in zip(ps, speeds[a]):
             if p.peer_id not in movable[a]:
                 continue
@@ -181,5 +203,5 @@ def choose_shard(peers: Sequence[PeerRecord], me: str, shards: int, current: int
     return sorted({me, *(p.peer_id for p in drivers)}).index(me) % shards
 
 
-__all__ = ["GAIN", "best_move", "choose_shard", "choose_stage", "should_rebalance", "stage_loads", "stage_rates",
-           "starved_stages"]
+__all__ = ["GAIN", "MIN_CAPACITY", "best_move", "choose_shard", "choose_stage", "should_rebalance", "stage_loads",
+           "stage_rates", "starved_stages"]

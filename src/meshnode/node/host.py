@@ -125,11 +125,11 @@ class StageHost:
         :attr:`slowdown` above 1, hold the thread for the extra time too (emulation, counted as compute)."""
         t0 = time.perf_counter()
         try:
-            return fn(*args)
-        finally:
-            took = time.perf_counter() - t0
+            out = fn(*args)
             if self.slowdown > 1.0:
-                time.sleep((self.slowdown - 1.0) * took)
+                time.sleep((self.slowdown - 1.0) * (time.perf_counter() - t0))
+            return out
+        finally:
             self.compute_s += time.perf_counter() - t0
 
     def _trim_window(self, horizon: float) -> float:
@@ -521,13 +521,18 @@ class StageHost:
         torch.save(state, buf)
         return buf.getvalue()
 
+    async def state_blob(self) -> bytes:
+        """Weights, optimizer, step counters and DP state as one ``torch.save`` blob, taken between steps (what a
+        joining peer fetches and a checkpoint holds)."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._stepping)
+            return await self.run(self._state_blob)
+
     async def state_stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Weights + optimizer + DP state (torch.save bytes, loaded with ``weights_only=True``) in chunks."""
         if request.get("run") != self.run_id:
             raise WireError(f"state request for run {request.get('run')!r}")
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._stepping)
-            blob = await self.run(self._state_blob)
+        blob = await self.state_blob()
         n = max(1, -(-len(blob) // WEIGHT_CHUNK_BYTES))
         for i in range(n):
             yield {"ok": True, "data": blob[i * WEIGHT_CHUNK_BYTES : (i + 1) * WEIGHT_CHUNK_BYTES], "last": i == n - 1,

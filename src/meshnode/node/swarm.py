@@ -67,6 +67,8 @@ OWNER_REPLY_MAX_BYTES = 64 * 1024  # rpc_owner's frames (a public key)
 OWNER_CHECK_TIMEOUT_S = 5.0
 OWNER_RECHECK_S = 30.0  # a peer id whose owner could not be checked is asked again after this long
 OWNER_BIND_S = 600.0  # a checked owner is trusted this long (a peer may restart with another key)
+OWNER_CHECKS_IN_FLIGHT = 8  # rpc_owner calls at once; further conflicts wait for the next refresh
+OWNER_TABLE_MAX = 4096  # peer ids remembered as asked (older than OWNER_RECHECK_S are forgotten first)
 
 
 def merge_peers(held: list[PeerRecord], found: list[PeerRecord], now: float,
@@ -93,11 +95,19 @@ def merge_peers(held: list[PeerRecord], found: list[PeerRecord], now: float,
 
 
 def owner_conflicts(records: list[PeerRecord], bound: dict[str, str] | None = None) -> set[str]:
-    """Peer ids that records of two or more owners claim, and ``bound`` does not settle yet."""
+    """Peer ids to ask for their owner: claimed by records of two or more owners and not settled by ``bound``, or
+    settled for another owner than a record now names (the peer may have restarted with another key). Only ids
+    that some record says are serving (``joining`` / ``online``): a rogue's ``offline`` copies of ids nobody
+    serves cost no call."""
+    bound = bound or {}
     owners: dict[str, set[str]] = {}
+    live: set[str] = set()
     for r in records:
         owners.setdefault(r.peer_id, set()).add(r.owner)
-    return {pid for pid, o in owners.items() if len(o) > 1 and pid not in (bound or {})}
+        if r.state in ("joining", "online"):
+            live.add(r.peer_id)
+    return {pid for pid, o in owners.items() if pid in live
+            and (len(o) > 1 and pid not in bound or pid in bound and o != {bound[pid]})}
 
 
 class OwnerServicer(RPCServicer):
@@ -207,20 +217,30 @@ class SwarmClient:
             return self.peers
 
     def bound_owners(self) -> dict[str, str]:
-        """Peer id -> the owner that peer answered with, for the answers younger than ``OWNER_BIND_S``."""
+        """Peer id -> the owner that peer answered with, for the answers younger than ``OWNER_BIND_S``; this peer's
+        own id always to its own key (it cannot dial itself to settle a rogue's record of its id)."""
         now = time.monotonic()
         for pid in [p for p, (_, t) in self._bound.items() if now - t > OWNER_BIND_S]:
             del self._bound[pid]
-        return {pid: owner for pid, (owner, _) in self._bound.items()}
+        out = {pid: owner for pid, (owner, _) in self._bound.items()}
+        own = keys.owner_of(self.owner)
+        if own:
+            out[self.peer_id] = own
+        return out
 
     def _ask_owner(self, peer_id: str) -> None:
+        """Start :meth:`check_owner` for ``peer_id``: at most once per ``OWNER_RECHECK_S`` per id and
+        ``OWNER_CHECKS_IN_FLIGHT`` at once, so that records naming many ids cannot make this peer dial them all."""
         now = time.monotonic()
-        if self.p2p is None or now - self._owner_asked.get(peer_id, -float("inf")) < OWNER_RECHECK_S:
+        if (self.p2p is None or len(self._owner_tasks) >= OWNER_CHECKS_IN_FLIGHT
+                or now - self._owner_asked.get(peer_id, -float("inf")) < OWNER_RECHECK_S):
             return
+        if len(self._owner_asked) >= OWNER_TABLE_MAX:
+            for pid in [p for p, t in self._owner_asked.items() if now - t >= OWNER_RECHECK_S]:
+                del self._owner_asked[pid]
+            if len(self._owner_asked) >= OWNER_TABLE_MAX:
+                return  # the table is full of recent asks: this one waits
         self._owner_asked[peer_id] = now
-        if len(self._owner_asked) > 4096:  # bound the table: forget the oldest
-            for pid in sorted(self._owner_asked, key=self._owner_asked.get)[:2048]:
-                self._owner_asked.pop(pid, None)
         task = asyncio.create_task(self.check_owner(peer_id))
         self._owner_tasks.add(task)
         task.add_done_callback(self._owner_tasks.discard)
@@ -381,6 +401,8 @@ class SwarmClient:
     async def shutdown(self) -> None:
         for task in list(self._owner_tasks):
             task.cancel()
+        if self._owner_tasks:
+            await asyncio.gather(*self._owner_tasks, return_exceptions=True)
         if self.p2p is not None:
             with contextlib.suppress(Exception):
                 await self.p2p.shutdown()
