@@ -109,10 +109,13 @@ def test_rebalance_delay_of_join():
     assert "Traceback" not in r.output
 
 
-def test_join_refuses_a_bad_slowdown():
+def test_join_refuses_a_bad_slowdown_or_checkpoint_period():
     """``--slowdown`` emulates slower hardware; a factor below 1, NaN or absurdly large is one clear line, before
-    any network or model work."""
+    any network or model work; so is a checkpoint period that is negative or not a number."""
     for bad in ("0.5", "nan", "1e9"):
         r = runner.invoke(app, ["join", "--config", str(TINY), "--slowdown", bad])
         assert r.exit_code == 1 and "--slowdown" in r.output and "between 1 and 1000" in r.output, r.output
         assert "Traceback" not in r.output
+    for bad in ("-1", "nan", "inf"):
+        r = runner.invoke(app, ["join", "--config", str(TINY), "--checkpoint-every", bad])
+        assert r.exit_code == 1 and "--checkpoint-every" in r.output and "seconds >= 0" in r.output, r.output

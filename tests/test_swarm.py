@@ -613,7 +613,8 @@ def test_a_record_that_names_another_peer_does_not_shadow_it():
             assert snap[genuine.peer_id].state == held[genuine.peer_id].state
             assert observer._owner_tasks, "the observer did not ask the peer which key is its own"
             await asyncio.wait_for(asyncio.gather(*observer._owner_tasks), 30)
-            assert observer.bound_owners() == {genuine.peer_id: keys.owner_of(genuine.owner)}
+            assert observer.bound_owners() == {genuine.peer_id: keys.owner_of(genuine.owner),
+                                               observer.peer_id: keys.owner_of(observer.owner)}
             snap = {r.peer_id: r for r in await observer.refresh(full=True)}
             assert snap[genuine.peer_id].state == "online" and snap[genuine.peer_id].owner == keys.owner_of(
                 genuine.owner)
@@ -626,3 +627,35 @@ def test_a_record_that_names_another_peer_does_not_shadow_it():
 
     for rogue_first in (False, True):
         asyncio.run(scenario(rogue_first))
+
+
+def test_a_crashed_peer_resumes_its_stage_from_its_periodic_checkpoint(swarm_factory, tmp_path):
+    """A peer's checkpoint used to be written only at a graceful stop: a crash (SIGKILL, a power cut) took its stage's
+    training with it when it was the stage's only peer. With ``--checkpoint-every``, stage 1's only peer saves
+    while it trains; SIGKILLed and restarted on the same directory, it resumes at its last save, and the driver's
+    loss goes on near where it was, not from the untrained start."""
+    sw = swarm_factory(["train.steps=20000", "train.warmup_steps=5"])
+    metrics, ck = tmp_path / "crash.jsonl", tmp_path / "ck"
+    sw.start("driver", "--stage", "0", "--metrics-out", str(metrics))
+    victim = sw.start("s1", "--stage", "1", "--checkpoint-dir", str(ck), "--checkpoint-every", "1")
+
+    def saved_step():
+        steps = [int(s) for s in re.findall(r"checkpoint of stage 1 at step (\d+)", victim.log.read_text())]
+        return steps[-1] if steps and steps[-1] >= 30 else None
+
+    saved = wait_for(saved_step, 120, "a periodic checkpoint at step 30 or later")
+    assert (ck / "stage1.pt").is_file() and (ck / "stage1.json").is_file()
+    assert json.loads((ck / "stage1.json").read_text())["opt_step"] >= saved
+    victim.kill()
+    killed_at = len(sw.metrics(metrics))
+    again = sw.start("s1-again", "--stage", "1", "--checkpoint-dir", str(ck))
+    wait_for(lambda: len(sw.metrics(metrics)) >= killed_at + 12, 180, "training to go on through the restarted peer")
+    log = again.log.read_text()
+    resumed = re.search(r"resumed stage 1 from \S+ at step (\d+)", log)
+    assert resumed and int(resumed.group(1)) >= saved, tail(again.log)
+    assert "starting from the pretrained weights" not in log
+    recs = sorted(sw.metrics(metrics), key=lambda r: r["step"])
+    start = sum(r["loss"] for r in recs[:5]) / 5
+    before = sum(r["loss"] for r in recs[killed_at - 5 : killed_at]) / 5
+    after = sum(r["loss"] for r in recs[killed_at + 2 : killed_at + 7]) / 5
+    assert after < (start + before) / 2, (start, before, after)

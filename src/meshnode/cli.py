@@ -259,6 +259,12 @@ def join(
                      "others (default: 30 with --stage auto; a fixed --stage only moves when this is given)."),
     ] = None,
     no_rebalance: Annotated[bool, typer.Option("--no-rebalance", help="Never move to another stage.")] = False,
+    checkpoint_every: Annotated[
+        float,
+        typer.Option("--checkpoint-every", help="With --checkpoint-dir: also save the stage's state every this many "
+                     "seconds in which it stepped, so a crashed peer restarted on the same directory loses at "
+                     "most that much (0: only at a stop)."),
+    ] = 300.0,
     slowdown: Annotated[
         float,
         typer.Option("--slowdown", help="Emulate hardware this many times slower (>= 1): each forward and backward "
@@ -279,6 +285,8 @@ def join(
         if stage != "auto" and int(stage) >= cfg.model.stages:
             raise ConfigError(f"--stage: {stage} but the run has stages 0..{cfg.model.stages - 1}")
         rebalance_after = rebalance_delay(rebalance_after, no_rebalance, stage_fixed=stage != "auto", role=role)
+        if not (math.isfinite(checkpoint_every) and checkpoint_every >= 0):
+            raise ConfigError(f"--checkpoint-every: {checkpoint_every} is not a number of seconds >= 0")
         if not (math.isfinite(slowdown) and 1.0 <= slowdown <= 1000.0):
             raise ConfigError(f"--slowdown: {slowdown} is not a factor between 1 and 1000")
         if cfg.dp.average_moments:
@@ -291,7 +299,7 @@ def join(
             stage=None if stage == "auto" else int(stage), role=role, device=device, identity=identity,
             checkpoint_dir=checkpoint_dir, cache_dir=cache_dir_from(cache_dir), metrics_out=metrics_out,
             trace_out=trace_out, ready_file=ready_file, threads=threads, announce_period=announce_period,
-            rebalance_after=rebalance_after, slowdown=slowdown,
+            rebalance_after=rebalance_after, slowdown=slowdown, checkpoint_every=checkpoint_every or None,
         )
         run_join(cfg, opts)
 

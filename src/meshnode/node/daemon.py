@@ -14,7 +14,8 @@ Life of a peer (docs/swarm.md):
 5. fast peers poll ``{run}_prior_{stage}`` for anchor priors (:mod:`.priors`) and run DP rounds
    with the other peers of their stage (:mod:`.dp`);
 6. on SIGINT / SIGTERM: announce ``offline``, stop taking new steps, let in-flight chains finish
-   (bounded), save a checkpoint, stop the DHT and its daemon;
+   (bounded), save a checkpoint, stop the DHT and its daemon (with ``--checkpoint-every`` a checkpoint is
+   also saved periodically while the stage trains, for a restart after a crash);
 7. rebalancing (``--rebalance-after``, on by default for a peer whose stage was chosen for it): when a
    stage has had no fast peer, or (by the capacities peers announce) a move of this peer would raise the
    slowest stage's rate by :data:`.claim.GAIN`, for that long and this peer is the one
@@ -32,7 +33,9 @@ import contextlib
 import json
 import logging
 import math
+import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +70,9 @@ class JoinOptions:
     device: str = "cpu"
     identity: Path | None = None
     checkpoint_dir: Path | None = None
+    # with checkpoint_dir: also save the stage's state every this many seconds (when it has stepped since), so that
+    # a peer that crashes and restarts loses at most that much of its stage's training; None: only at a stop
+    checkpoint_every: float | None = None
     cache_dir: Path | None = None
     metrics_out: Path | None = None
     trace_out: Path | None = None  # per-microbatch timing records (JSON lines), for the throughput benchmark
@@ -97,6 +103,8 @@ class SwarmNode:
         self.move_to: int | None = None
         self._starved: tuple[int, float] | None = None  # (the stage should_rebalance names, since when)
         self.moves = 0
+        self._ckpt_lock = threading.Lock()  # checkpoint writes (threads): the newest step's state wins
+        self._ckpt_step: dict[int, int] = {}  # stage -> optimizer step of the checkpoint written last
         self.stage_costs: list[float] | None = None  # FLOPs per token of each stage (from the model, once loaded)
         self._served_driver_step = 0  # the newest driver step the stages this peer left had served
         self.counter = ByteCounter()
@@ -294,7 +302,8 @@ class SwarmNode:
         now = time.monotonic()
         if target is None:
             if self._starved is not None:
-                logger.info("rebalance: stage %d is served again; staying in stage %d", self._starved[0], self.stage)
+                logger.info("rebalance: stage %d no longer needs this peer (served again, faster, or a peer is in "
+                            "transit); staying in stage %d", self._starved[0], self.stage)
             self._starved = None
             return
         if self._starved is None or self._starved[0] != target:
@@ -485,6 +494,8 @@ class SwarmNode:
         await self.servicer.add_p2p_handlers(self.swarm.p2p, self.run_id)
         await self.announce("online")
         self.stage_tasks.append(asyncio.create_task(self._refresh_loop()))
+        if self.opts.checkpoint_dir is not None and self.opts.checkpoint_every:
+            self.stage_tasks.append(asyncio.create_task(self._checkpoint_loop()))
         if self.cfg.anchor.enabled:
             from .priors import PriorReader
 
@@ -523,19 +534,50 @@ class SwarmNode:
         if self.stopping.is_set() and self.opts.checkpoint_dir is not None:
             await self.save_checkpoint(Path(self.opts.checkpoint_dir))
 
-    async def save_checkpoint(self, directory: Path) -> Path:
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / CHECKPOINT_NAME.format(stage=self.stage)
-        blob = await self.host.run(self.host._state_blob)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(blob)
-        tmp.rename(path)
-        path.with_suffix(".json").write_text(json.dumps({
-            "run_id": self.run_id, "stage": self.stage, "opt_step": self.host.opt_step,
-            "driver_step": self.driver_step, "driver_tokens": self.driver_tokens, "bytes": self.counter.snapshot(),
-        }))
-        logger.info("checkpoint of stage %d at step %d: %s", self.stage, self.host.opt_step, path)
+    async def save_checkpoint(self, directory: Path) -> Path | None:
+        """Write the stage's state (between steps) to ``directory/stage{N}.pt`` and its counters to ``.json``, each
+        through a temporary file and a rename, so a crash mid-write leaves the previous checkpoint whole. Returns
+        None when a checkpoint of a later step was written meanwhile (a periodic save that finished after the stop's
+        save must not replace it)."""
+        host, stage = self.host, self.stage
+        blob = await host.state_blob()
+        meta = {
+            "run_id": self.run_id, "stage": stage, "opt_step": host.opt_step, "driver_step": self.driver_step,
+            "driver_tokens": self.driver_tokens, "bytes": self.counter.snapshot(),
+        }
+        path = Path(directory) / CHECKPOINT_NAME.format(stage=stage)
+        if not await asyncio.to_thread(self._write_checkpoint, path, blob, meta):
+            return None
+        logger.info("checkpoint of stage %d at step %d: %s", stage, meta["opt_step"], path)
         return path
+
+    def _write_checkpoint(self, path: Path, blob: bytes, meta: dict[str, Any]) -> bool:
+        with self._ckpt_lock:
+            if meta["opt_step"] < self._ckpt_step.get(meta["stage"], -1):
+                return False
+            path.parent.mkdir(parents=True, exist_ok=True)
+            for target, data in ((path, blob), (path.with_suffix(".json"), json.dumps(meta).encode())):
+                tmp = target.with_name(target.name + ".tmp")
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                tmp.replace(target)
+            self._ckpt_step[meta["stage"]] = meta["opt_step"]
+            return True
+
+    async def _checkpoint_loop(self) -> None:
+        """With ``--checkpoint-dir`` and ``--checkpoint-every``: save the stage every period in which it stepped."""
+        saved = self.host.opt_step
+        while True:
+            await asyncio.sleep(self.opts.checkpoint_every)
+            if self.leaving.is_set() or self.host is None or self.host.opt_step <= saved:
+                continue
+            try:
+                await self.save_checkpoint(Path(self.opts.checkpoint_dir))
+                saved = self.host.opt_step
+            except Exception as exc:  # a full disk must not end the peer: the next period tries again
+                logger.warning("periodic checkpoint of stage %d failed: %r", self.stage, exc)
 
     # ---- the driver ------------------------------------------------------------------------
 
