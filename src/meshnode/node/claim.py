@@ -76,7 +76,7 @@ def _speeds(serving: list[list[PeerRecord]], costs: list[float]) -> list[list[fl
             for s, ps in enumerate(serving)]
 
 
-def _in_transit(peers: Sequence[PeerRecord]) -> bool:
+def in_transit(peers: Sequence[PeerRecord]) -> bool:
     """A fast peer is between stages or setting one up (``offline`` record not yet expired, or ``joining``): its
     speed is counted nowhere, or only as an estimate, until it serves."""
     return any(p.role in ("fast", "driver") and p.state in ("offline", "joining") for p in peers)
@@ -127,7 +127,7 @@ def should_rebalance(peers: Sequence[PeerRecord], num_stages: int, me: str,
     cost = _costs(costs, num_stages)
     speeds = _speeds(serving, cost)
     if speeds is not None and all(counts[s] > 0 for s in targets):
-        if _in_transit(peers):  # a peer moving now counts nowhere: a second mover would overshoot
+        if in_transit(peers):  # a peer moving now counts nowhere: a second mover would overshoot
             return None
         move = best_move(serving, speeds, cost, movable)
         return move[1] if move is not None and move[0] == me else None
@@ -203,5 +203,5 @@ def choose_shard(peers: Sequence[PeerRecord], me: str, shards: int, current: int
     return sorted({me, *(p.peer_id for p in drivers)}).index(me) % shards
 
 
-__all__ = ["GAIN", "MIN_CAPACITY", "best_move", "choose_shard", "choose_stage", "should_rebalance", "stage_loads",
-           "stage_rates", "starved_stages"]
+__all__ = ["GAIN", "MIN_CAPACITY", "best_move", "choose_shard", "choose_stage", "in_transit", "should_rebalance",
+           "stage_loads", "stage_rates", "starved_stages"]

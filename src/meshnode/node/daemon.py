@@ -49,7 +49,7 @@ from ..protocol import keys
 from ..protocol.limits import Limits
 from ..protocol.records import PeerRecord
 from ..protocol.servicer import RPCServicer, StageServicer, collect_stream, stream_rpc
-from .claim import choose_shard, choose_stage, should_rebalance, stage_loads, stage_rates
+from .claim import choose_shard, choose_stage, in_transit, should_rebalance, stage_loads, stage_rates
 from .host import StageHost, pieces_bytes, weights_from_chunks
 from .status import driver_step, swarm_health
 from .swarm import ChainError, SwarmClient, SwarmError, start_dht
@@ -302,8 +302,10 @@ class SwarmNode:
         now = time.monotonic()
         if target is None:
             if self._starved is not None:
-                logger.info("rebalance: stage %d no longer needs this peer (served again, faster, or a peer is in "
-                            "transit); staying in stage %d", self._starved[0], self.stage)
+                why = ("a peer is between stages" if in_transit(peers) else
+                       "it is served again, or the move no longer gains enough")
+                logger.info("rebalance: not moving to stage %d for now (%s); staying in stage %d", self._starved[0],
+                            why, self.stage)
             self._starved = None
             return
         if self._starved is None or self._starved[0] != target:
