@@ -104,7 +104,8 @@ class SwarmNode:
         self._starved: tuple[int, float] | None = None  # (the stage should_rebalance names, since when)
         self.moves = 0
         self._ckpt_lock = threading.Lock()  # checkpoint writes (threads): the newest step's state wins
-        self._ckpt_step: dict[int, int] = {}  # stage -> optimizer step of the checkpoint written last
+        self._ckpt_step: dict[int, tuple[int, int]] = {}  # stage -> (optimizer step, save number) written last
+        self._ckpt_seq = 0
         self.stage_costs: list[float] | None = None  # FLOPs per token of each stage (from the model, once loaded)
         self._served_driver_step = 0  # the newest driver step the stages this peer left had served
         self.counter = ByteCounter()
@@ -302,10 +303,9 @@ class SwarmNode:
         now = time.monotonic()
         if target is None:
             if self._starved is not None:
-                why = ("a peer is between stages" if in_transit(peers) else
-                       "it is served again, or the move no longer gains enough")
-                logger.info("rebalance: not moving to stage %d for now (%s); staying in stage %d", self._starved[0],
-                            why, self.stage)
+                logger.info("rebalance: not moving to stage %d for now (it is served again, the move no longer gains "
+                            "enough, or a peer is between stages%s); staying in stage %d", self._starved[0],
+                            ": some record is joining or offline" if in_transit(peers) else "", self.stage)
             self._starved = None
             return
         if self._starved is None or self._starved[0] != target:
@@ -317,6 +317,8 @@ class SwarmNode:
             return
         peers = await self.swarm.refresh(full=True)
         if should_rebalance(peers, self.num_stages, self.swarm.peer_id, self.stage_costs) != target:
+            logger.info("rebalance: a full read of the records does not confirm the move to stage %d; staying in "
+                        "stage %d", target, self.stage)
             self._starved = None
             return
         logger.warning("rebalance: %s for %.0f s; moving there from stage %d", self._imbalance(peers, target),
@@ -344,9 +346,13 @@ class SwarmNode:
             meta = ckpt.with_suffix(".json")
             if meta.is_file() and not self.moves:  # a mover's counters and driver steps are this process's
                 m = json.loads(meta.read_text())
-                self.counter.merge(ByteCounter.from_snapshot(m.get("bytes", {})))
-                self.driver_step = int(m.get("driver_step", 0))
-                self.driver_tokens = int(m.get("driver_tokens", 0))
+                if int(m.get("opt_step", -1)) != loaded_step:  # a crash between the two renames of a save
+                    logger.warning("checkpoint %s: its counters are of step %s, its state of step %d; counters "
+                                   "not restored", meta, m.get("opt_step"), loaded_step)
+                else:
+                    self.counter.merge(ByteCounter.from_snapshot(m.get("bytes", {})))
+                    self.driver_step = int(m.get("driver_step", 0))
+                    self.driver_tokens = int(m.get("driver_tokens", 0))
             logger.info("resumed stage %d from %s at step %d", self.stage, ckpt, loaded_step)
         others = [p for p in self.swarm.candidates(self.stage) if p.step > max(loaded_step, 0)]
         if loaded_step < 0 and not others and not await self._load_from_anchor():
@@ -543,19 +549,22 @@ class SwarmNode:
         save must not replace it)."""
         host, stage = self.host, self.stage
         blob = await host.state_blob()
+        self._ckpt_seq += 1
+        seq = self._ckpt_seq
         meta = {
             "run_id": self.run_id, "stage": stage, "opt_step": host.opt_step, "driver_step": self.driver_step,
             "driver_tokens": self.driver_tokens, "bytes": self.counter.snapshot(),
         }
         path = Path(directory) / CHECKPOINT_NAME.format(stage=stage)
-        if not await asyncio.to_thread(self._write_checkpoint, path, blob, meta):
+        if not await asyncio.to_thread(self._write_checkpoint, path, blob, meta, seq):
             return None
         logger.info("checkpoint of stage %d at step %d: %s", stage, meta["opt_step"], path)
         return path
 
-    def _write_checkpoint(self, path: Path, blob: bytes, meta: dict[str, Any]) -> bool:
+    def _write_checkpoint(self, path: Path, blob: bytes, meta: dict[str, Any], seq: int) -> bool:
         with self._ckpt_lock:
-            if meta["opt_step"] < self._ckpt_step.get(meta["stage"], -1):
+            # the later state wins: by step, and at the same step by when it was taken (its counters are newer)
+            if (meta["opt_step"], seq) < self._ckpt_step.get(meta["stage"], (-1, -1)):
                 return False
             path.parent.mkdir(parents=True, exist_ok=True)
             for target, data in ((path, blob), (path.with_suffix(".json"), json.dumps(meta).encode())):
@@ -565,19 +574,32 @@ class SwarmNode:
                     f.flush()
                     os.fsync(f.fileno())
                 tmp.replace(target)
-            self._ckpt_step[meta["stage"]] = meta["opt_step"]
+            with contextlib.suppress(OSError):  # the renames themselves, on filesystems that allow it
+                fd = os.open(path.parent, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            self._ckpt_step[meta["stage"]] = (meta["opt_step"], seq)
             return True
 
     async def _checkpoint_loop(self) -> None:
-        """With ``--checkpoint-dir`` and ``--checkpoint-every``: save the stage every period in which it stepped."""
+        """With ``--checkpoint-dir`` and ``--checkpoint-every``: save the stage every period in which it stepped. Not
+        while an overlapped DP round of it is running or waiting to be applied (its error feedback is committed
+        before its update reaches the weights: a state taken in between would lose that update on a resume); the
+        next period tries again."""
         saved = self.host.opt_step
         while True:
             await asyncio.sleep(self.opts.checkpoint_every)
-            if self.leaving.is_set() or self.host is None or self.host.opt_step <= saved:
+            host = self.host
+            if self.leaving.is_set() or host is None or host.opt_step <= saved:
+                continue
+            if host.dp is not None and (host.dp.pending or host.dp.ready):
                 continue
             try:
-                await self.save_checkpoint(Path(self.opts.checkpoint_dir))
-                saved = self.host.opt_step
+                step = host.opt_step
+                if await self.save_checkpoint(Path(self.opts.checkpoint_dir)) is not None:
+                    saved = step
             except Exception as exc:  # a full disk must not end the peer: the next period tries again
                 logger.warning("periodic checkpoint of stage %d failed: %r", self.stage, exc)
 
