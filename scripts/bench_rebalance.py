@@ -20,23 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from meshnode.config import load_config
-from meshnode.node.procs import start_peer
+from meshnode.node.procs import LocalSwarm, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 MOVED = "moving there from stage 1"
-
-
-def _metrics(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _rate(recs: list[dict], t0: float, t1: float) -> float | None:
@@ -47,42 +38,21 @@ def _rate(recs: list[dict], t0: float, t1: float) -> float | None:
     return (inside[-1]["tokens"] - inside[0]["tokens"]) / (inside[-1]["t"] - inside[0]["t"])
 
 
-def _status(bootstrap: str, run_id: str) -> dict:
-    r = subprocess.run([sys.executable, "-m", "meshnode.cli", "status", "--initial-peers", bootstrap, "--run", run_id,
-                        "--json"], capture_output=True, text=True, timeout=60)
-    if r.returncode != 0:
-        raise RuntimeError(f"meshnode status failed: {r.stderr[-2000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
 def run_arm(args, arm: str, work: Path) -> dict:
-    overrides = list(args.set)
-    cfg = load_config(args.config, overrides)
-    work.mkdir(parents=True)
+    sw = LocalSwarm(work, args.config, args.set, cache_dir=args.cache_dir, ready_timeout=args.ready_timeout)
     metrics = work / "driver.jsonl"
-    procs, bootstrap = [], []
-
-    def start(name: str, *extra: str):
-        p = start_peer(name, work, args.config, overrides, initial_peers=bootstrap, extra=list(extra),
-                       cache_dir=args.cache_dir)
-        procs.append(p)
-        info = p.wait_ready(args.ready_timeout)
-        if not bootstrap:
-            bootstrap.extend(info["maddrs"][:1])
-        return p
-
     try:
-        start("driver", "--stage", "0", "--metrics-out", str(metrics))
+        sw.start("driver", "--stage", "0", "--metrics-out", str(metrics))
         for name in ("s2a", "s2b"):
-            start(name, "--stage", "2", "--slowdown", str(args.slowdown))
+            sw.start(name, "--stage", "2", "--slowdown", str(args.slowdown))
         move = ["--rebalance-after", str(args.rebalance_after)] if arm == "rebalance" else ["--no-rebalance"]
-        fast = [start(name, "--stage", "1", *move) for name in ("s1a", "s1b")]
+        fast = [sw.start(name, "--stage", "1", *move) for name in ("s1a", "s1b")]
         deadline = time.monotonic() + args.ready_timeout
-        while not _metrics(metrics):
+        while not read_jsonl(metrics):
             if time.monotonic() > deadline:
                 raise TimeoutError("the driver took no step")
             time.sleep(0.5)  # poll interval of a deadline-bounded wait on another process's file
-        first = _metrics(metrics)[0]["t"]
+        first = read_jsonl(metrics)[0]["t"]
         moved_at = None
         end = first + args.seconds
         while time.time() < end:
@@ -91,8 +61,8 @@ def run_arm(args, arm: str, work: Path) -> dict:
                     if MOVED in p.log.read_text(errors="replace"):
                         moved_at = time.time() - first  # seen within the poll interval
             time.sleep(0.5)  # poll interval of a bounded run
-        status = _status(bootstrap[0], cfg.run_id)
-        recs = _metrics(metrics)
+        status = sw.status()
+        recs = read_jsonl(metrics)
         last = recs[-1]["t"]
         out = {
             "arm": arm, "steps": recs[-1]["step"], "seconds": round(last - first, 1),
@@ -111,8 +81,7 @@ def run_arm(args, arm: str, work: Path) -> dict:
             out["tokens_per_s_after_move"] = _rate(recs, first + moved_at + args.settle, last)
         return out
     finally:
-        for p in procs:
-            p.stop(timeout=20)
+        sw.stop()
 
 
 def main() -> None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import pytest
 import torch
 
 from meshnode.config import load_config
-from meshnode.node.procs import PeerProcess, start_peer, tail
+from meshnode.node.procs import LocalSwarm, tail
 from meshnode.protocol import keys
 from meshnode.protocol.records import PeerRecord
 
@@ -37,39 +35,9 @@ def wait_for(cond, timeout: float, what: str, interval: float = 0.5):
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-class Swarm:
+class Swarm(LocalSwarm):
     def __init__(self, tmp: Path, cache: Path, overrides: list[str]):
-        self.tmp, self.cache, self.overrides = tmp, cache, overrides
-        self.cfg = load_config(TINY, overrides)
-        self.procs: list[PeerProcess] = []
-        self.bootstrap: list[str] = []
-
-    def start(self, name: str, *extra: str, wait: bool = True) -> PeerProcess:
-        p = start_peer(name, self.tmp, TINY, self.overrides, initial_peers=self.bootstrap, extra=list(extra),
-                       cache_dir=self.cache)
-        self.procs.append(p)
-        if wait:
-            info = p.wait_ready(120)
-            if not self.bootstrap:
-                self.bootstrap = info["maddrs"][:1]
-        return p
-
-    def status(self) -> dict:
-        r = subprocess.run(
-            [sys.executable, "-m", "meshnode.cli", "status", "--initial-peers", self.bootstrap[0], "--run",
-             self.cfg.run_id, "--json"], capture_output=True, text=True, timeout=60,
-        )
-        assert r.returncode == 0, r.stderr
-        return json.loads(r.stdout.strip().splitlines()[-1])
-
-    def metrics(self, path: Path) -> list[dict]:
-        if not path.is_file():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-    def stop(self) -> None:
-        for p in self.procs:
-            p.stop(timeout=20)
+        super().__init__(tmp, TINY, overrides, cache_dir=cache)
 
 
 @pytest.fixture

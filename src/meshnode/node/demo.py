@@ -28,7 +28,7 @@ from rich.console import Console
 from ..config import load_config
 from ..protocol import keys
 from .inspect import heldout_loss_of
-from .procs import PeerProcess, start_peer
+from .procs import PeerProcess, read_jsonl, start_peer
 from .status import bytes_per_token, render_table, slowest_driver_step, status_json
 from .swarm import SwarmClient, SwarmError, start_dht
 
@@ -255,7 +255,7 @@ async def _watch(dht, identity, cfg, procs, console: Console, opts: DemoOptions,
     weights, meta = await reader._stage_weights(cfg.model.stages, 120.0)
     metrics = []
     for path in sorted(workdir.glob("stage0*.metrics.jsonl")):
-        metrics += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        metrics += read_jsonl(path)
     wall = max((m["wall_s"] for m in metrics), default=0.0)
     tokens = sum(p.tokens for p in peers if p.role == "driver")
     return {

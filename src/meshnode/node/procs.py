@@ -102,4 +102,54 @@ def start_peer(
     return PeerProcess(name=name, proc=proc, log=log, ready_file=ready, args=args)
 
 
-__all__ = ["PeerProcess", "start_peer", "tail"]
+def read_jsonl(path: Path) -> list[dict]:
+    """The JSON lines of ``path`` (a peer's ``--metrics-out``), ``[]`` while it does not exist."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class LocalSwarm:
+    """Peers of one run on this machine (the tests' and the benchmarks' swarms): each started by :func:`start_peer`,
+    the first one's address the bootstrap of the rest; ``meshnode status --json`` for the swarm; stopped by their
+    handles."""
+
+    def __init__(self, workdir: Path, config: Path, overrides: list[str], cache_dir: Path | None = None,
+                 ready_timeout: float = 120.0):
+        from ..config import load_config
+
+        self.workdir, self.config, self.overrides, self.cache_dir = Path(workdir), config, list(overrides), cache_dir
+        self.ready_timeout = ready_timeout
+        self.cfg = load_config(config, self.overrides)
+        self.procs: list[PeerProcess] = []
+        self.bootstrap: list[str] = []
+
+    def start(self, name: str, *extra: str, wait: bool = True) -> PeerProcess:
+        p = start_peer(name, self.workdir, self.config, self.overrides, initial_peers=self.bootstrap,
+                       extra=list(extra), cache_dir=self.cache_dir)
+        self.procs.append(p)
+        if wait:
+            info = p.wait_ready(self.ready_timeout)
+            if not self.bootstrap:
+                self.bootstrap = info["maddrs"][:1]
+        return p
+
+    def status(self) -> dict:
+        r = subprocess.run(
+            [sys.executable, "-m", "meshnode.cli", "status", "--initial-peers", self.bootstrap[0], "--run",
+             self.cfg.run_id, "--json"], capture_output=True, text=True, timeout=60,
+        )
+        if r.returncode != 0:
+            raise RuntimeError(f"meshnode status failed: {r.stderr[-2000:]}")
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    def metrics(self, path: Path) -> list[dict]:
+        return read_jsonl(path)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        for p in self.procs:
+            p.stop(timeout=timeout)
+
+
+__all__ = ["LocalSwarm", "PeerProcess", "read_jsonl", "start_peer", "tail"]
