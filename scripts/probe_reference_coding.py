@@ -1,0 +1,169 @@
+"""Probe: how far fine-tuning moves the boundary tensors from what the *pretrained* model gives on the same tokens.
+
+Every peer already holds the pretrained weights (it loads them from disk to start). So both ends of a stage
+boundary could compute the pretrained model's boundary activation ``h_ref`` for the microbatch's tokens (the
+tokens travel anyway) and the sender would code only the residual ``h - h_ref``; the same for the gradient
+going back, with the pretrained copy of the later stages (``g_ref``: the gradient through the frozen later
+stages at the same boundary input). If fine-tuning moves the boundaries little, the residual is small and a
+codec spends its bits on it, not on the whole vector.
+
+This probe measures that, before anything is built. It trains SmolLM2-135M densely (3 stages, linux-doc,
+batch 4 x 256, AdamW, lr 1e-4 with 10 warmup steps, clip 1.0, bf16 autocast) and at a few steps takes two
+held-out batches through the trained model (fp32) and reports, per boundary:
+
+- ``rho_fwd``: ||h - h_ref|| / ||h - mean(h)|| (the norm the centred rotq codec works on), over all tokens;
+- ``rho_bwd``: ||g - g_ref|| / ||g||;
+- the relative squared reconstruction error of the rotated codec at 1, 2 and 4 bits, coding ``h`` directly
+  (as now) and coding the residual (``h_ref + decode(encode(h - h_ref))``), and of ``h_ref`` alone (0 bits);
+  the same for the gradient;
+- the downstream cost: the trained model's held-out loss when that boundary's activation is replaced by the
+  reconstruction, minus its loss with the exact one.
+
+It also prints the compute such a codec would add: the frozen stages each side runs per microbatch.
+
+    python scripts/probe_reference_coding.py --steps 60 --out docs/results/probe-reference-coding.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+
+import torch
+
+from meshnode.compression import RotQuantCodec
+from meshnode.data import BatchSource, heldout_batches
+from meshnode.optim.schedule import lr_at
+from meshnode.stage import causal_lm_loss
+from probe_common import load_probe_model  # scripts/ is on the path when a script runs
+
+BITS = (1, 2, 4)
+
+
+def run_stages(stages, h, lo: int, hi: int):
+    for s in range(lo, hi):
+        h = stages[s](h)
+    return h
+
+
+def rel2(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> float:
+    """||a - b||^2 / ||ref||^2 in float64."""
+    return float((a.double() - b.double()).square().sum() / ref.double().square().sum())
+
+
+def centred(h: torch.Tensor) -> torch.Tensor:
+    return h - h.mean(dim=(0, 1), keepdim=True)
+
+
+def boundary_grad(stages, x: torch.Tensor, ids: torch.Tensor, b: int) -> torch.Tensor:
+    """d loss / d (output of stage b), through ``stages`` b + 1 .. end, at input ``x``."""
+    x = x.detach().requires_grad_(True)
+    loss = causal_lm_loss(run_stages(stages, x, b + 1, len(stages)), ids)
+    (g,) = torch.autograd.grad(loss, x)
+    return g
+
+
+def measure(st, frozen, batches, codecs) -> dict:
+    out: dict = {}
+    n = len(st)
+    for b in range(n - 1):
+        acc: dict[str, list[float]] = {}
+
+        def add(k, v, acc=acc):
+            acc.setdefault(k, []).append(v)
+
+        for ids in batches:
+            with torch.no_grad():
+                h = run_stages(st, ids, 0, b + 1)
+                h_ref = run_stages(frozen, ids, 0, b + 1)
+                exact = float(causal_lm_loss(run_stages(st, h, b + 1, n), ids))
+                hc = centred(h)
+                add("rho_fwd", rel2(h, h_ref, hc) ** 0.5)
+                add("fwd_ref_only", rel2(h_ref, h, hc))
+                add("dloss_ref_only", float(causal_lm_loss(run_stages(st, h_ref, b + 1, n), ids)) - exact)
+                for bits, c in codecs.items():
+                    direct = c.decode(c.encode(h))
+                    resid = h_ref + c.decode(c.encode(h - h_ref))
+                    add(f"fwd_direct_{bits}", rel2(direct, h, hc))
+                    add(f"fwd_resid_{bits}", rel2(resid, h, hc))
+                    add(f"dloss_direct_{bits}", float(causal_lm_loss(run_stages(st, direct, b + 1, n), ids)) - exact)
+                    add(f"dloss_resid_{bits}", float(causal_lm_loss(run_stages(st, resid, b + 1, n), ids)) - exact)
+            g = boundary_grad(st, h, ids, b)
+            g_ref = boundary_grad(frozen, h, ids, b)
+            add("rho_bwd", rel2(g, g_ref, g) ** 0.5)
+            add("cos_bwd_ref", float(torch.nn.functional.cosine_similarity(
+                g.reshape(-1).double(), g_ref.reshape(-1).double(), dim=0)))
+            add("bwd_ref_only", rel2(g_ref, g, g))
+            for bits, c in codecs.items():
+                add(f"bwd_direct_{bits}", rel2(c.decode_grad(c.encode_grad(g)), g, g))
+                add(f"bwd_resid_{bits}", rel2(g_ref + c.decode_grad(c.encode_grad(g - g_ref)), g, g))
+        out[b] = {k: sum(v) / len(v) for k, v in acc.items()}
+    return out
+
+
+def report(step: int, res: dict) -> None:
+    for b, r in res.items():
+        print(f"step {step} boundary {b}: rho_fwd {r['rho_fwd']:.4f}  rho_bwd {r['rho_bwd']:.4f}  "
+              f"cos(g, g_ref) {r['cos_bwd_ref']:.4f}")
+        print("   bits | fwd err direct / residual | dloss direct / residual | bwd err direct / residual")
+        print(f"      0 |        -      / {r['fwd_ref_only']:.5f} |     -     / {r['dloss_ref_only']:+.4f} |"
+              f"        -      / {r['bwd_ref_only']:.5f}")
+        for bits in BITS:
+            print(f"      {bits} | {r[f'fwd_direct_{bits}']:.5f} / {r[f'fwd_resid_{bits}']:.5f} | "
+                  f"{r[f'dloss_direct_{bits}']:+.4f} / {r[f'dloss_resid_{bits}']:+.4f} | "
+                  f"{r[f'bwd_direct_{bits}']:.5f} / {r[f'bwd_resid_{bits}']:.5f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--at", default="0,10,30,60", help="steps at which to measure (comma-separated)")
+    ap.add_argument("--eval-batches", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    at = sorted({int(s) for s in args.at.split(",") if int(s) <= args.steps})
+    model, corpus, cut = load_probe_model()
+    st = torch.nn.ModuleList([cut[i] for i in sorted(cut)])
+    frozen = copy.deepcopy(st)
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    codecs = {bits: RotQuantCodec(bits) for bits in BITS}
+    evals = heldout_batches(corpus.heldout, 4, args.eval_batches)
+    src = BatchSource(corpus.train, 4, seed=0)
+    params = [p for p in st.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
+    rec: dict = {"steps": {}, "train_loss": []}
+    t0 = time.time()
+    for step in range(args.steps + 1):
+        if step in at:
+            st.eval()
+            res = measure(st, frozen, evals, codecs)
+            rec["steps"][step] = res
+            report(step, res)
+            st.train()
+        if step == args.steps:
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, 1e-4, 10, args.steps, 1.0)
+        ids = src.batch(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = causal_lm_loss(run_stages(st, ids, 0, len(st)), ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rec["train_loss"].append(float(loss))
+        if step % 10 == 0:
+            print(f"step {step} train loss {float(loss):.3f} ({time.time() - t0:.0f} s)", flush=True)
+    rec["command"] = (f"python scripts/probe_reference_coding.py --steps {args.steps} --at {args.at} "
+                      f"--eval-batches {args.eval_batches}" + (f" --out {args.out}" if args.out else ""))
+    rec["wall_s"] = time.time() - t0
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rec, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
