@@ -120,6 +120,15 @@ VARIANTS: dict[str, list[str]] = {
     # the 1-bit gradient weighted by 1 / its channels' rms (every channel the same relative error; eighteenth session)
     "rotq4_ns_g1_gw": [*ROTQ4_NS_G1, "mask.grad_weight=std"],
     "m75_mean": ["mask.ratio=0.75", "mask.fill=mean"],
+    # reference coding (mask.reference, twentieth session): each boundary coded as its change from what the frozen
+    # pretrained model gives for the same tokens, which both ends compute; the dropped channels / the rounding then
+    # cost the change, not the value. "both": the gradient too (against the frozen later stages' gradient)
+    "m95_ref": ["mask.ratio=0.95", "mask.reference=both"],
+    "m95_reffwd": ["mask.ratio=0.95", "mask.reference=forward"],
+    "m90_ref": ["mask.ratio=0.9", "mask.reference=both"],
+    "rotq1_ref": ["mask.codec=rotq", "mask.bits=1", "mask.reference=both"],
+    "rotq2_ref": ["mask.codec=rotq", "mask.bits=2", "mask.reference=both"],
+    "rotq1_ns_ref": ["mask.codec=rotq", "mask.bits=1", "mask.rotq_weight=norm_std", "mask.reference=both"],
     # where dense_dp's loss comes from (same tokens; each variant moves one thing from dense towards dense_dp):
     # half as many optimizer steps of twice the batch (what any X = 2 data parallelism does to a fixed budget),
     # the replicas' weights averaged exactly after every step, exactly every H = 10 steps through the DiLoCo

@@ -150,7 +150,10 @@ def test_anchor_follows_dp_instead_of_fetching_weights(swarm_factory, tmp_path, 
     # dp.v_correction: a replica of an X = 2 run that has not synced yet (H beyond the run), the mesh's replica 0
     (["mask.ratio=0.9", "dp.enabled=true", "dp.replicas=2", "dp.inner_steps=1000", "dp.v_correction=true"],
      (1.0, 1.0)),
-], ids=["m90", "rotq4g1", "m90_vcorr"])
+    # reference coding: both ends compute the frozen pretrained model's boundary tensors; the swarm's peers each
+    # hold the whole pretrained model and must compute what the mesh's shared reference computes
+    (["mask.ratio=0.9", "mask.reference=both"], (1.0, 1.0)),
+], ids=["m90", "rotq4g1", "m90_vcorr", "m90_ref"])
 def test_equivalence_with_in_process_mesh(swarm_factory, tmp_path, cache_dir, codec, grad_share):
     """One peer per stage, compressed boundaries: the swarm's losses are the mesh's.
 
@@ -196,6 +199,9 @@ def test_equivalence_with_in_process_mesh(swarm_factory, tmp_path, cache_dir, co
     assert swarm_losses == pytest.approx(mesh_losses(sw.cfg), abs=1e-5)
     if sw.cfg.dp.v_correction:  # and the correction mattered: without it the same replica's losses differ
         plain = mesh_losses(load_config(TINY, [o for o in over if o != "dp.v_correction=true"]))
+        assert max(abs(a - b) for a, b in zip(swarm_losses, plain)) > 1e-4
+    if sw.cfg.mask.reference != "none":  # and the reference was used: plain m90's losses differ
+        plain = mesh_losses(load_config(TINY, [o for o in over if not o.startswith("mask.reference=")]))
         assert max(abs(a - b) for a, b in zip(swarm_losses, plain)) > 1e-4
 
 

@@ -116,6 +116,9 @@ class MaskConfig:
     # rotq: per-channel weights of the gradient going back: "none"; "std" = 1 / the channel's rms over the
     # microbatch (every channel gets the same relative error; H values more per microbatch)
     grad_weight: str = "none"
+    # code each boundary against what the frozen pretrained model gives for the same tokens (meshnode.stage.reference):
+    # "none"; "forward" = the activation's change from it; "both" = the gradient's change too (more compute)
+    reference: str = "none"
     topk_ratio: float = 0.1  # fraction of channels kept by the top-k baseline
     wire_dtype: str = "bfloat16"  # bfloat16 | float16 | float32
     version: int = 0
@@ -241,6 +244,7 @@ _CHOICES = {
     "mask.rotq_weight": ("none", "norm", "norm_std"),
     "mask.grad_bits": (0, 1, 2, 4),
     "mask.grad_weight": ("none", "std"),
+    "mask.reference": ("none", "forward", "both"),
     "mask.wire_dtype": ("bfloat16", "float16", "float32"),
     "spectral.mode": ("filter", "clean_every", "delayed_ef", "bias_correction"),
     "spectral.ema_init": ("first", "zero"),
@@ -372,6 +376,10 @@ def _cross_check(cfg: RunConfig) -> None:
         raise ConfigError("model.tiny_hidden: must be divisible by model.tiny_heads")
     if cfg.mask.fill == "mean" and cfg.mask.rescale != "none":
         raise ConfigError("mask.fill: 'mean' works with mask.rescale = 'none' only")
+    dense_boundaries = cfg.mask.codec == "dense" or (cfg.mask.codec == "mask" and cfg.mask.ratio == 0)
+    if cfg.mask.reference != "none" and dense_boundaries:
+        raise ConfigError(f"mask.reference = {cfg.mask.reference!r} codes a boundary against the pretrained model's: "
+                          "it needs a compressing codec (mask.ratio > 0, or mask.codec = rotq | topk | int8 | int4)")
     if cfg.anchor.enabled and cfg.anchor.snapshot == "dp" and not cfg.dp.enabled:
         raise ConfigError("anchor.snapshot: 'dp' needs dp.enabled = true (the anchor follows the DP all-reduce)")
     if cfg.dp.matchmaking_time >= cfg.dp.round_timeout:

@@ -50,6 +50,7 @@ class MeshAnchor:
         for w in trainer.workers[0]:
             aw = StageWorker(copy.deepcopy(w.module), cfg, replica=-1, counter=trainer.counter)
             aw.masked = False
+            aw.reference = w.reference  # its masked twin (``bias_correction``) codes as the fast replicas do
             self.workers.append(aw)
         batch = cfg.anchor.batch_size or cfg.train.batch_size
         self.source = BatchSource(trainer.corpus.train, batch, seed=cfg.train.seed + ANCHOR_SEED_OFFSET)

@@ -39,7 +39,7 @@ from ..config import RunConfig
 from ..data import BatchSource, heldout_batches, make_tokenizer, prepare_corpus
 from ..model import StageModule, cut_model, load_model
 from ..optim import lr_at
-from ..stage import MicrobatchId, StageWorker, causal_lm_loss
+from ..stage import MicrobatchId, ReferenceModel, StageWorker, causal_lm_loss
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,15 @@ class MeshTrainer:
             self.workers.append(
                 [StageWorker(mods[s], cfg, replica=r, counter=self.counter) for s in range(self.num_stages)]
             )
+        # ``mask.reference``: one frozen copy of the pretrained stages, shared by every worker (both ends of a
+        # boundary compute the same reference; in one process it is computed once)
+        self.reference: ReferenceModel | None = None
+        if cfg.mask.reference != "none":
+            self.reference = ReferenceModel([stages[s] for s in range(self.num_stages)],
+                                            autocast=self.workers[0][0].autocast)
+            for chain in self.workers:
+                for w in chain:
+                    w.reference = self.reference
         self.sources = [
             BatchSource(
                 self.corpus.train, cfg.train.batch_size, shard=r, num_shards=self.replicas, seed=cfg.train.seed
@@ -121,7 +130,7 @@ class MeshTrainer:
         """Forward and backward of one microbatch through a chain of workers; returns its loss."""
         x = ids
         for w in workers[:-1]:
-            x = w.forward(mb, x)
+            x = w.forward(mb, x, labels=ids)
         loss = workers[-1].forward(mb, x, labels=ids)
         grad = None
         for w in reversed(workers):

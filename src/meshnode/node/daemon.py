@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -200,15 +201,24 @@ class SwarmNode:
 
     def _build_host(self, stage: int) -> StageHost:
         from ..model import cut_model, load_model, stage_costs
-        from ..stage import StageWorker
+        from ..stage import ReferenceModel, StageWorker
 
         model, _ = load_model(self.cfg.model, self.opts.cache_dir)
         hidden, vocab = int(model.config.hidden_size), int(model.config.vocab_size)
         self.stage_costs = stage_costs(model.config, self.num_stages, self.cfg.model.boundaries, self.cfg.data.seq_len)
-        module = cut_model(model, self.num_stages, self.cfg.model.boundaries, keep=[stage])[stage]
+        coded = self.cfg.mask.reference != "none"  # reference coding: every stage's pretrained weights, frozen
+        cut = cut_model(model, self.num_stages, self.cfg.model.boundaries, keep=None if coded else [stage])
         del model
+        module = cut[stage]
+        reference = None
+        if coded:
+            frozen = [copy.deepcopy(m) if s == stage else m for s, m in sorted(cut.items())]
+            reference = ReferenceModel([m.to(self.opts.device) for m in frozen], copy_modules=False)
         module.to(self.opts.device)
         worker = StageWorker(module, self.cfg, replica=0, counter=self.counter)
+        if reference is not None:
+            reference.autocast = worker.autocast
+            worker.reference = reference
         limits = Limits.from_config(self.cfg, hidden, vocab)
         return StageHost(worker, self.cfg, limits, self.run_id, call_next=self._call_next, threads=self.opts.threads,
                          slowdown=self.opts.slowdown)

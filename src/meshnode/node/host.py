@@ -350,8 +350,8 @@ class StageHost:
             try:
                 # inside the try: a call cancelled while the forward runs on the thread still leaves its graph in
                 # flight there, which the discard (queued behind it on the same thread) frees
-                out = await self.run(self._timed, self.worker.forward, mbid, inputs,
-                                     labels if self.worker.is_last else None)
+                # every stage gets the token ids: the last for its loss, all for ``mask.reference``
+                out = await self.run(self._timed, self.worker.forward, mbid, inputs, labels)
                 if self.worker.is_last:
                     loss = float(out)
                     grad_out = None

@@ -29,6 +29,7 @@ from ..compression import BoundaryContext, ByteCounter, EncodedPayload, MaskKey,
 from ..config import RunConfig
 from ..model import StageModule
 from ..optim import MicrobatchNoise, SpectralAdamW
+from .reference import ReferenceModel
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,9 @@ class _InFlight:
     ctx_out: BoundaryContext | None  # the exchange on boundary ``index`` (None on the last stage)
     ctx_in: BoundaryContext | None  # the exchange on boundary ``index - 1`` (None on stage 0)
     tokens: int = 0
+    # reference coding (``mask.reference``): the token ids, and the next stage's decoded input (``"both"``)
+    ids: Tensor | None = None
+    sent: Tensor | None = None
 
 
 @dataclass
@@ -94,6 +98,9 @@ class StageWorker:
         self.in_flight: dict[MicrobatchId, _InFlight] = {}
         self.step_stats = StepStats()
         self.masked = True  # the anchor turns masking off on its own workers
+        # ``mask.reference``: the frozen pretrained stages both ends of a boundary compute the reference from
+        # (:mod:`.reference`); whoever builds the worker sets it (it needs every stage's pretrained weights)
+        self.reference: ReferenceModel | None = None
 
     # ------------------------------------------------------------------------------------------
     # helpers
@@ -118,11 +125,24 @@ class StageWorker:
             return self.dense_codec
         return self.codec
 
+    def _reference_for(self, codec) -> ReferenceModel | None:
+        """The reference model if this step's boundaries are coded against it (never with the dense codec: the
+        anchor's unmasked passes, the mask warmup, a run without compression)."""
+        if self.cfg.mask.reference == "none" or codec is self.dense_codec:
+            return None
+        if self.reference is None:
+            raise StageError(f"stage {self.index}: mask.reference = {self.cfg.mask.reference!r} needs the pretrained "
+                             "reference model, which this worker was not given")
+        return self.reference
+
+    def _ref_key(self, mb: MicrobatchId) -> tuple:
+        return (self.replica, mb)
+
     def _axis(self, axis: str) -> str:
         """Traffic of the anchor replica (``replica < 0``) counts on the ``anchor`` axis."""
         return "anchor" if self.replica < 0 else axis
 
-    def _autocast(self):
+    def autocast(self):
         if self.cfg.train.bf16:
             return torch.autocast("cpu" if not _on_cuda(self.module) else "cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
@@ -135,39 +155,58 @@ class StageWorker:
 
         ``inputs``: token ids ``(B, T)`` on stage 0, else the payload from the previous stage.
         Returns the payload for the next stage, or the loss (a float) on the last stage, which needs
-        the token ids as ``labels``.
+        the token ids as ``labels``. With ``mask.reference`` every stage needs them (``labels``; stage 0's are
+        its inputs).
         """
         if mb in self.in_flight:
             raise StageError(f"stage {self.index}: microbatch {mb} is already in flight")
         codec = self.codec_for(mb.step)
+        ref = self._reference_for(codec)
         ctx_in = None
+        ids = labels
         if self.is_first:
             if not isinstance(inputs, Tensor) or inputs.dim() != 2:
                 raise StageError("stage 0 expects token ids (B, T)")
-            x = inputs
+            x = ids = inputs
             tokens = x.numel()
         else:
             if not isinstance(inputs, EncodedPayload):
                 raise StageError(f"stage {self.index} expects an encoded payload")
             ctx_in = BoundaryContext(key=self._mask_key(mb, self.index - 1))
-            x = codec.decode(inputs, ctx_in).to(self._dtype()).requires_grad_(True)  # (B, T, H)
+            x = codec.decode(inputs, ctx_in)  # (B, T, H)
+            if ref is not None:
+                if ids is None or ids.dim() != 2 or tuple(ids.shape) != tuple(x.shape[:2]):
+                    raise StageError(f"stage {self.index}: reference coding needs the microbatch's token ids "
+                                     f"{tuple(x.shape[:2])}, got {None if ids is None else tuple(ids.shape)}")
+                x = x.float() + ref.activation(self._ref_key(mb), ids, self.index - 1)
+            x = x.to(self._dtype()).requires_grad_(True)
             tokens = x.shape[0] * x.shape[1]
-        with self._autocast():
+        with self.autocast():
             out = self.module(x)
         if self.is_last:
             if labels is None:
                 raise StageError("the last stage needs labels")
-            with self._autocast():
+            with self.autocast():
                 loss = causal_lm_loss(out, labels) / self.cfg.train.microbatches
-            self.in_flight[mb] = _InFlight(x if not self.is_first else None, loss, None, ctx_in, tokens)
+            self.in_flight[mb] = _InFlight(x if not self.is_first else None, loss, None, ctx_in, tokens, ids)
             self.step_stats.loss_sum += loss.item() * self.cfg.train.microbatches
             self.step_stats.microbatches += 1
             self.step_stats.tokens += tokens
             return loss.item() * self.cfg.train.microbatches
         ctx_out = BoundaryContext(key=self._mask_key(mb, self.index), gain=self.module.next_input_gain)
-        payload = codec.encode(out.detach(), ctx_out)
+        sent = None
+        if ref is None:
+            payload = codec.encode(out.detach(), ctx_out)
+        else:
+            if ids is None:
+                raise StageError(f"stage {self.index}: reference coding needs the microbatch's token ids")
+            h_ref = ref.activation(self._ref_key(mb), ids, self.index)
+            payload = codec.encode(out.detach().float() - h_ref, ctx_out)
+            if self.cfg.mask.reference == "both":  # the next stage's input, as it will decode it
+                back = codec.decode(payload, BoundaryContext(key=self._mask_key(mb, self.index)))
+                sent = (back.float() + h_ref).to(self._dtype())
         self.counter.add(self._axis("pp_fwd"), payload_bytes(payload))
-        self.in_flight[mb] = _InFlight(x if not self.is_first else None, out, ctx_out, ctx_in, tokens)
+        self.in_flight[mb] = _InFlight(x if not self.is_first else None, out, ctx_out, ctx_in, tokens, ids, sent)
         return payload
 
     def backward(self, mb: MicrobatchId, grad: EncodedPayload | None = None) -> EncodedPayload | None:
@@ -176,23 +215,31 @@ class StageWorker:
         if state is None:
             raise StageError(f"stage {self.index}: no forward for microbatch {mb}")
         codec = self.codec_for(mb.step)
+        ref = self._reference_for(codec) if self.cfg.mask.reference == "both" else None
+        scale = 1.0 / self.cfg.train.microbatches  # the last stage's loss is divided by the microbatches
         if self.is_last:
             state.outputs.backward()
         else:
             if grad is None:
                 raise StageError(f"stage {self.index}: backward needs a gradient payload")
-            g = codec.decode_grad(grad, state.ctx_out).to(state.outputs.dtype)  # (B, T, H)
+            g = codec.decode_grad(grad, state.ctx_out)  # (B, T, H)
             if g.shape != state.outputs.shape:
                 raise StageError(
                     f"stage {self.index}: gradient shape {tuple(g.shape)} != {tuple(state.outputs.shape)}"
                 )
-            state.outputs.backward(g)
+            if ref is not None:
+                g = g.float() + ref.input_grad(self._ref_key(mb), state.ids, self.index, state.sent, scale)
+            state.outputs.backward(g.to(state.outputs.dtype))
         del self.in_flight[mb]
         if self.noise is not None:
             self.noise.after_microbatch()
         if self.is_first:
             return None
-        payload = codec.encode_grad(state.inputs.grad, state.ctx_in)
+        g_in = state.inputs.grad
+        if ref is not None:
+            g_in = g_in.float() - ref.input_grad(self._ref_key(mb), state.ids, self.index - 1,
+                                                 state.inputs.detach(), scale)
+        payload = codec.encode_grad(g_in, state.ctx_in)
         self.counter.add(self._axis("pp_bwd"), payload_bytes(payload))
         return payload
 
@@ -250,7 +297,7 @@ class StageWorker:
 
     @torch.no_grad()
     def eval_forward(self, x: Tensor) -> Tensor:
-        with self._autocast():
+        with self.autocast():
             return self.module(x if self.is_first else x.to(self._dtype()))
 
     def _dtype(self) -> torch.dtype:
@@ -279,7 +326,7 @@ def chain_gradients(
         w.zero_grad()
     x = ids
     for w in workers[:-1]:
-        x = w.forward(mb, x)
+        x = w.forward(mb, x, labels=ids)
     workers[-1].forward(mb, x, labels=ids)
     grad = None
     for w in reversed(workers):
