@@ -125,10 +125,12 @@ VARIANTS: dict[str, list[str]] = {
     # cost the change, not the value. "both": the gradient too (against the frozen later stages' gradient)
     "m95_ref": ["mask.ratio=0.95", "mask.reference=both"],
     "m95_reffwd": ["mask.ratio=0.95", "mask.reference=forward"],
-    "m90_ref": ["mask.ratio=0.9", "mask.reference=both"],
     "rotq1_ref": ["mask.codec=rotq", "mask.bits=1", "mask.reference=both"],
     "rotq2_ref": ["mask.codec=rotq", "mask.bits=2", "mask.reference=both"],
     "rotq1_ns_ref": ["mask.codec=rotq", "mask.bits=1", "mask.rotq_weight=norm_std", "mask.reference=both"],
+    "rotq1_reffwd": ["mask.codec=rotq", "mask.bits=1", "mask.reference=forward"],
+    "m90_reffwd": ["mask.ratio=0.9", "mask.reference=forward"],
+    "rotq2_g1_ref": ["mask.codec=rotq", "mask.bits=2", "mask.grad_bits=1", "mask.reference=both"],
     # where dense_dp's loss comes from (same tokens; each variant moves one thing from dense towards dense_dp):
     # half as many optimizer steps of twice the batch (what any X = 2 data parallelism does to a fixed budget),
     # the replicas' weights averaged exactly after every step, exactly every H = 10 steps through the DiLoCo

@@ -78,7 +78,9 @@ def test_demo_methods_make_valid_configs_and_unknown_ones_fail(cache_dir):
         cfg = load_config(TINY, over)
         assert cfg.dp.enabled and cfg.anchor.enabled == (method == "m95")
         assert cfg.anchor.snapshot == ("dp" if method == "m95" else "full")
-        if method.startswith("rotq"):
+        if method == "rotq2ref":
+            assert (cfg.mask.codec, cfg.mask.bits, cfg.mask.reference) == ("rotq", 2, "both")
+        elif method.startswith("rotq"):
             assert cfg.mask.codec == "rotq" and cfg.mask.rotq_weight == "norm_std"
             assert (cfg.mask.bits, cfg.mask.grad_bits) == rotq_bits[method]
     with pytest.raises(ValueError, match="unknown demo method"):

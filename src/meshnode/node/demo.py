@@ -83,19 +83,23 @@ eval_batches = 8
 """
 
 
-DEMO_METHODS = ("dense", "m95", "rotq4", "rotq4g1", "rotq2")
+DEMO_METHODS = ("dense", "m95", "rotq4", "rotq4g1", "rotq2", "rotq2ref")
 
 
 def method_overrides(method: str, *, tiny: bool, dp_peers: int, anchor: bool, anchor_key: str) -> list[str]:
     """Config overrides of a demo method: ``dense`` boundaries, ``m95`` (the paper: M95 + anchor prior), or
     ``rotq4`` / ``rotq2`` (every channel at 4 / 2 bits after a rotation, weighted by the receiving layer's norm
     gains and the channels' spread: ``mask.rotq_weight = norm_std``), ``rotq4g1`` (the same 4-bit activations,
-    the gradient back at 1 bit: ``mask.grad_bits = 1``); with DP when ``dp_peers > 1`` (then the
+    the gradient back at 1 bit: ``mask.grad_bits = 1``), ``rotq2ref`` (2 bits both ways, unweighted, each
+    boundary coded as its change from the frozen pretrained model's: ``mask.reference = both``, every peer holds
+    the whole pretrained model); with DP when ``dp_peers > 1`` (then the
     anchor takes its weights from the DP log: ``anchor.snapshot = dp``)."""
     if method not in DEMO_METHODS:
         raise ValueError(f"unknown demo method {method!r} (one of {', '.join(DEMO_METHODS)})")
     if method == "dense":
         out = ["mask.ratio=0.0"]
+    elif method == "rotq2ref":
+        out = ["mask.codec=rotq", "mask.bits=2", "mask.reference=both"]
     elif method.startswith("rotq"):
         bits, _, grad_bits = method[4:].partition("g")
         out = ["mask.codec=rotq", f"mask.bits={bits}", "mask.rotq_weight=norm_std"]
