@@ -115,6 +115,15 @@ def test_reference_coding_at_the_pretrained_weights_is_exact(tiny_cfg, cache_dir
             assert (b - a).abs().max() > 1e-4
 
 
+def test_a_quantised_zero_residual_decodes_to_the_reference(tiny_cfg, cache_dir):
+    """rotq at 1 bit of an all-zero residual (step 0): the pass is dense's, with no NaN from a zero scale."""
+    dense = _first_step(tiny_cfg(*EXACT), cache_dir)
+    ref = _first_step(tiny_cfg(*EXACT, "mask.codec=rotq", "mask.bits=1", "mask.reference=both"), cache_dir)
+    assert abs(ref.losses[0] - dense.losses[0]) < 1e-5
+    params = torch.cat([p.detach().reshape(-1) for w in ref.workers[0] for p in w.module.parameters()])
+    assert torch.isfinite(params).all()
+
+
 def test_reference_coding_keeps_training_closer_to_dense(tiny_cfg, cache_dir):
     """Twelve steps at a small learning rate (the weights stay near the reference, as in fine-tuning): M95 coded
     against the reference ends nearer dense's held-out loss than plain M95, in both modes (tiny model, measured
