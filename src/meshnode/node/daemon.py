@@ -213,7 +213,9 @@ class SwarmNode:
         reference = None
         if coded:
             frozen = [copy.deepcopy(m) if s == stage else m for s, m in sorted(cut.items())]
-            reference = ReferenceModel([m.to(self.opts.device) for m in frozen], copy_modules=False)
+            # a small cache: a peer reuses a result only within one call (its incoming boundary's prefix for the
+            # outgoing one); the mesh's larger default serves both ends of a boundary in one process
+            reference = ReferenceModel([m.to(self.opts.device) for m in frozen], copy_modules=False, max_keys=4)
         module.to(self.opts.device)
         worker = StageWorker(module, self.cfg, replica=0, counter=self.counter)
         if reference is not None:
