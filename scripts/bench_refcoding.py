@@ -3,7 +3,7 @@
 For SmolLM2-135M cut into 3 stages (batch 4 x 256, bf16 autocast, the run's thread count) it times, per stage:
 the training pass (forward + backward with weight gradients), the frozen reference's forward (no graph), and
 its forward + input-only backward. Each swarm peer of stage s runs the frozen passes that
-:func:`meshnode.stage.peer_passes` counts; the script adds them up from the measured times and prints each
+:func:`meshnode.stage.peer_plan` lists; the script adds them up from the measured times and prints each
 peer's time per microbatch without the reference, with ``forward`` and with ``both``. Writes a JSON record.
 
     python scripts/bench_refcoding.py --repeats 3 --out docs/results/bench-refcoding.json
@@ -19,7 +19,7 @@ import time
 import torch
 
 from meshnode.data import BatchSource
-from meshnode.stage import ReferenceModel, causal_lm_loss, peer_passes
+from meshnode.stage import ReferenceModel, causal_lm_loss, peer_plan
 from probe_common import load_probe_model  # scripts/ is on the path when a script runs
 
 
@@ -31,17 +31,6 @@ def timed(fn, repeats: int) -> float:
         fn()
         out.append(time.perf_counter() - t0)
     return statistics.median(out)
-
-
-def frozen_plan(s: int, n: int, mode: str) -> tuple[list[int], list[int]]:
-    """The frozen stages a peer of stage ``s`` runs per microbatch: forward only (the prefix before its outgoing
-    or incoming boundary), and forward + input backward (``both``: the stages after each boundary it touches)."""
-    prefix = list(range(0, s + 1 if s < n - 1 else s))
-    suffixes: list[int] = []
-    if mode == "both":
-        for b in ([s] if s < n - 1 else []) + ([s - 1] if s > 0 else []):
-            suffixes += list(range(b + 1, n))
-    return prefix, suffixes
 
 
 def main() -> None:
@@ -97,9 +86,7 @@ def main() -> None:
         base = rec["stages"][s]["train_s"]
         row = {"none": base}
         for mode in ("forward", "both"):
-            prefix, suffixes = frozen_plan(s, n, mode)
-            # the frozen passes this plan times are the ones peer_passes counts
-            assert (len(prefix) + len(suffixes), len(suffixes)) == peer_passes(s, n, mode)
+            prefix, suffixes = peer_plan(s, n, mode)
             row[mode] = base + sum(rec["stages"][k]["frozen_fwd_s"] for k in prefix) + sum(
                 rec["stages"][k]["frozen_fwd_bwd_s"] for k in suffixes)
         rec["peers"][s] = row

@@ -9,7 +9,15 @@ from meshnode.compression import EncodedPayload, make_codec
 from meshnode.config import ConfigError
 from meshnode.mesh import MeshTrainer
 from meshnode.model import cut_model, load_model
-from meshnode.stage import MicrobatchId, ReferenceModel, StageError, StageWorker, causal_lm_loss, peer_passes
+from meshnode.stage import (
+    MicrobatchId,
+    ReferenceModel,
+    StageError,
+    StageWorker,
+    causal_lm_loss,
+    peer_passes,
+    peer_plan,
+)
 
 EXACT = ("train.eval_every=0", "train.grad_clip=0.0", "mask.wire_dtype=float32", "train.bf16=false",
          "model.stages=3")
@@ -78,6 +86,7 @@ def test_peer_passes_count_what_a_swarm_peer_runs():
     assert peer_passes(0, 3, "both") == (1 + 2, 2)  # + stages 1, 2 for boundary 0's gradient
     assert peer_passes(1, 3, "both") == (2 + 1 + 2, 1 + 2)  # + stage 2 (boundary 1), stages 1, 2 (boundary 0)
     assert peer_passes(2, 3, "both") == (2 + 1, 1)
+    assert peer_plan(1, 3, "both") == ([0, 1], [2, 1, 2])  # the stages behind those counts
     with pytest.raises(ValueError):
         peer_passes(0, 3, "sideways")
 

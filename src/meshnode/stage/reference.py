@@ -116,25 +116,31 @@ class ReferenceModel:
         return g
 
 
-def peer_passes(stage: int, num_stages: int, mode: str) -> tuple[int, int]:
-    """Frozen stage passes a swarm peer of ``stage`` runs per microbatch for ``mode``: (forwards, backwards).
+def peer_plan(stage: int, num_stages: int, mode: str) -> tuple[list[int], list[int]]:
+    """The frozen stages a swarm peer of ``stage`` runs per microbatch for ``mode``: (forward only, forward and
+    input backward).
 
-    Forward: the prefix 0..b of each boundary b it receives (b = stage - 1) or sends (b = stage), computed once
-    (0..stage, or 0..stage - 1 on the last stage). Backward (``"both"``): for each boundary it receives a
-    gradient on (b = stage) or sends one on (b = stage - 1), the frozen stages after it, forward and backward.
+    Forward only: the prefix 0..b of each boundary b it receives (b = stage - 1) or sends (b = stage), computed
+    once (0..stage, or 0..stage - 1 on the last stage). With ``"both"``, for each boundary it receives a gradient
+    on (b = stage) or sends one on (b = stage - 1), the frozen stages after it, forward and backward.
     """
     if mode not in REFERENCE_MODES:
         raise ValueError(f"reference mode must be one of {', '.join(REFERENCE_MODES)}, got {mode!r}")
     if mode == "none" or num_stages < 2:
-        return 0, 0
+        return [], []
     last = stage == num_stages - 1
-    fwd = stage if last else stage + 1
-    bwd = 0
+    prefix = list(range(stage if last else stage + 1))
+    suffixes: list[int] = []
     if mode == "both":
-        for b in ((stage,) if not last else ()) + ((stage - 1,) if stage > 0 else ()):
-            fwd += num_stages - b - 1
-            bwd += num_stages - b - 1
-    return fwd, bwd
+        for b in ([stage] if not last else []) + ([stage - 1] if stage > 0 else []):
+            suffixes += list(range(b + 1, num_stages))
+    return prefix, suffixes
 
 
-__all__ = ["REFERENCE_MODES", "ReferenceModel", "peer_passes"]
+def peer_passes(stage: int, num_stages: int, mode: str) -> tuple[int, int]:
+    """How many frozen stage passes :func:`peer_plan` makes: (forwards, backwards)."""
+    prefix, suffixes = peer_plan(stage, num_stages, mode)
+    return len(prefix) + len(suffixes), len(suffixes)
+
+
+__all__ = ["REFERENCE_MODES", "ReferenceModel", "peer_passes", "peer_plan"]
