@@ -131,6 +131,13 @@ VARIANTS: dict[str, list[str]] = {
     "rotq1_reffwd": ["mask.codec=rotq", "mask.bits=1", "mask.reference=forward"],
     "m90_reffwd": ["mask.ratio=0.9", "mask.reference=forward"],
     "rotq2_g1_ref": ["mask.codec=rotq", "mask.bits=2", "mask.grad_bits=1", "mask.reference=both"],
+    # the residual map (twenty-first session): the sender also predicts the residual from the reference by a rank-64
+    # linear map refitted every 20 (10) steps and sent once per fit (2 x 64 x 576 bfloat16 = 147 kB per boundary)
+    "rotq1_refmap64": ["mask.codec=rotq", "mask.bits=1", "mask.reference=both", "mask.reference_map_rank=64"],
+    "rotq1_refmap64_p10": ["mask.codec=rotq", "mask.bits=1", "mask.reference=both", "mask.reference_map_rank=64",
+                           "mask.reference_map_period=10"],
+    "rotq2_g1_refmap64": ["mask.codec=rotq", "mask.bits=2", "mask.grad_bits=1", "mask.reference=both",
+                          "mask.reference_map_rank=64"],
     # where dense_dp's loss comes from (same tokens; each variant moves one thing from dense towards dense_dp):
     # half as many optimizer steps of twice the batch (what any X = 2 data parallelism does to a fixed budget),
     # the replicas' weights averaged exactly after every step, exactly every H = 10 steps through the DiLoCo

@@ -850,7 +850,7 @@ def test_a_cut_stream_on_the_live_replica_costs_a_retry_not_a_stall(monkeypatch)
     client.peers = [peer(live, 1, expiration=far), peer(dead, 1, expiration=far)]
 
     async def call(timeout):
-        return await asyncio.wait_for(client.call_stage(1, lambda nonce: {"nonce": nonce}, stall_timeout=30.0),
+        return await asyncio.wait_for(client.call_stage(1, lambda nonce, peer: {"nonce": nonce}, stall_timeout=30.0),
                                       timeout)
 
     assert asyncio.run(call(10.0)) == {"ok": True}  # waiting out the 30 s stall timeout would time out here

@@ -153,7 +153,11 @@ def test_anchor_follows_dp_instead_of_fetching_weights(swarm_factory, tmp_path, 
     # reference coding: both ends compute the frozen pretrained model's boundary tensors; the swarm's peers each
     # hold the whole pretrained model and must compute what the mesh's shared reference computes
     (["mask.ratio=0.9", "mask.reference=both"], (1.0, 1.0)),
-], ids=["m90", "rotq4g1", "m90_vcorr", "m90_ref"])
+    # and the residual map: stage 0 and 1 refit theirs every 2 steps and send each to the next stage's peer once
+    # (the trace counts the payloads without it: 1-bit gradients against 1-bit centred activations)
+    (["mask.codec=rotq", "mask.bits=1", "mask.reference=both", "mask.reference_map_rank=8",
+      "mask.reference_map_period=2"], (0.8, 1.0)),
+], ids=["m90", "rotq4g1", "m90_vcorr", "m90_ref", "rotq1_refmap"])
 def test_equivalence_with_in_process_mesh(swarm_factory, tmp_path, cache_dir, codec, grad_share):
     """One peer per stage, compressed boundaries: the swarm's losses are the mesh's.
 
@@ -201,7 +205,10 @@ def test_equivalence_with_in_process_mesh(swarm_factory, tmp_path, cache_dir, co
         plain = mesh_losses(load_config(TINY, [o for o in over if o != "dp.v_correction=true"]))
         assert max(abs(a - b) for a, b in zip(swarm_losses, plain)) > 1e-4
     if sw.cfg.mask.reference != "none":  # and the reference was used: plain m90's losses differ
-        plain = mesh_losses(load_config(TINY, [o for o in over if not o.startswith("mask.reference=")]))
+        plain = mesh_losses(load_config(TINY, [o for o in over if not o.startswith("mask.reference")]))
+        assert max(abs(a - b) for a, b in zip(swarm_losses, plain)) > 1e-4
+    if sw.cfg.mask.reference_map_rank:  # and the maps reached the next stages: without them the losses differ
+        plain = mesh_losses(load_config(TINY, [o for o in over if not o.startswith("mask.reference_map")]))
         assert max(abs(a - b) for a, b in zip(swarm_losses, plain)) > 1e-4
 
 

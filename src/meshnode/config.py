@@ -119,6 +119,11 @@ class MaskConfig:
     # code each boundary against what the frozen pretrained model gives for the same tokens (meshnode.stage.reference):
     # "none"; "forward" = the activation's change from it; "both" = the gradient's change too (more compute)
     reference: str = "none"
+    # with a reference: the sender also predicts the residual from the reference itself by a rank-k linear map it
+    # refits every ``reference_map_period`` steps and sends once per fit and receiving peer
+    # (meshnode.stage.reference.ResidualMap); 0 = off
+    reference_map_rank: int = 0
+    reference_map_period: int = 20
     topk_ratio: float = 0.1  # fraction of channels kept by the top-k baseline
     wire_dtype: str = "bfloat16"  # bfloat16 | float16 | float32
     version: int = 0
@@ -269,12 +274,12 @@ _POSITIVE = {
     "model.stages", "model.tiny_layers", "model.tiny_hidden", "model.tiny_heads", "model.tiny_kv_heads",
     "model.tiny_intermediate", "model.tiny_vocab", "data.seq_len", "train.batch_size", "train.microbatches",
     "train.eval_batches", "anchor.period", "anchor.max_staleness", "dp.replicas", "dp.inner_steps", "dp.rank",
-    "dp.fragments", "spectral.clean_every", "dp.round_timeout", "dp.matchmaking_time",
+    "dp.fragments", "spectral.clean_every", "dp.round_timeout", "dp.matchmaking_time", "mask.reference_map_period",
 }
 _NON_NEGATIVE = {
     "train.steps", "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every",
     "train.checkpoint_every", "train.threads", "mask.warmup_steps", "spectral.tau", "spectral.rank", "data.max_docs",
-    "anchor.batch_size", "dp.outer_lr", "train.eps",
+    "anchor.batch_size", "dp.outer_lr", "train.eps", "mask.reference_map_rank",
 }
 
 
@@ -380,6 +385,9 @@ def _cross_check(cfg: RunConfig) -> None:
     if cfg.mask.reference != "none" and dense_boundaries:
         raise ConfigError(f"mask.reference = {cfg.mask.reference!r} codes a boundary against the pretrained model's: "
                           "it needs a compressing codec (mask.ratio > 0, or mask.codec = rotq | topk | int8 | int4)")
+    if cfg.mask.reference_map_rank and cfg.mask.reference == "none":
+        raise ConfigError("mask.reference_map_rank predicts the reference residual: it needs mask.reference = "
+                          "forward | both")
     if cfg.anchor.enabled and cfg.anchor.snapshot == "dp" and not cfg.dp.enabled:
         raise ConfigError("anchor.snapshot: 'dp' needs dp.enabled = true (the anchor follows the DP all-reduce)")
     if cfg.dp.matchmaking_time >= cfg.dp.round_timeout:

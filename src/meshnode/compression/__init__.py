@@ -6,6 +6,8 @@ No networking here (DESIGN.md section 2): ``stage/`` uses the codecs at its boun
 
 from .accounting import AXES, HEADER_BYTES, ByteCounter, payload_bytes, tensor_bytes
 from .codec import (
+    REF_MAP_META,
+    REF_MAP_TENSORS,
     RESCALE_MODES,
     WIRE_DTYPES,
     BoundaryCodec,
@@ -37,7 +39,8 @@ from .quant import dequantize_absmax, fake_quantize, pack_int4, quantize_absmax,
 from .rotquant import ROTQ_BITS, rotation, rotq_decode, rotq_encode, rotq_nbytes
 
 __all__ = [
-    "AXES", "HEADER_BYTES", "RESCALE_MODES", "WIRE_DTYPES", "BoundaryCodec", "BoundaryContext", "ByteCounter",
+    "AXES", "HEADER_BYTES", "REF_MAP_META", "REF_MAP_TENSORS", "RESCALE_MODES", "WIRE_DTYPES", "BoundaryCodec",
+    "BoundaryContext", "ByteCounter",
     "DenseCodec", "EncodedPayload", "MaskCodec", "MaskKey", "PayloadError", "PowerSGDState", "QuantCodec", "ROTQ_BITS",
     "RotQuantCodec", "rotation", "rotq_decode", "rotq_encode", "rotq_nbytes",
     "TopKCodec", "channel_hash", "compressed_rank", "dequantize_absmax", "fake_quantize", "gather_kept",

@@ -92,6 +92,12 @@ def _dense_shape(x: Tensor) -> tuple[int, int, int]:
 # payload and per-exchange context
 
 
+# reference coding's residual map (meshnode.stage.reference): the payload meta that names the map a residual was
+# coded against ([sender, version]), and the tensors that carry the map itself ((H, k) each, once per receiver)
+REF_MAP_META = "ref_map"
+REF_MAP_TENSORS = ("ref_map_u", "ref_map_v")
+
+
 @dataclass
 class EncodedPayload:
     """One message's content: named tensors plus the metadata the receiver needs to rebuild (B, T, H).

@@ -50,12 +50,14 @@ from ..protocol.messages import (
     tensor_from_bytes,
     tensor_to_bytes,
 )
-from ..stage import MicrobatchId, StageError, StageWorker
+from ..stage import MicrobatchId, ResidualMap, StageError, StageWorker
+from ..stage.reference import MAP_META, map_bytes
 
 logger = logging.getLogger(__name__)
 
 # (stage, request builder for an attempt) -> reply; set by the daemon (routing + retries)
-NextCall = Callable[[int, Callable[[int], dict[str, Any]]], Awaitable[dict[str, Any]]]
+# call_next(stage, build): build(nonce, peer_id) makes the request for the peer it is about to be sent to
+NextCall = Callable[[int, Callable[[int, str], dict[str, Any]]], Awaitable[dict[str, Any]]]
 
 
 class BusyError(WireError):
@@ -113,6 +115,10 @@ class StageHost:
         # Optional per-microbatch timing records (``meshnode join --trace-out``): the caller's send and reply
         # times of each call to the next stage, and the serving side's entry and return, on the wall clock.
         self.trace: Callable[[dict[str, Any]], None] | None = None
+        # reference coding's residual map (``mask.reference_map_rank``): this host attaches the worker's map to the
+        # first payload for each peer of the next stage; peer id -> the map (sender, version) that peer answered for
+        self.worker.ship_maps = False
+        self._maps_sent: dict[str, tuple[int, int]] = {}
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -359,8 +365,14 @@ class StageHost:
                     if self.call_next is None:
                         raise StageError("this host has no route to the next stage")
                     vocab = self.limits.vocab
+                    map_key = out.meta.get(MAP_META)
+                    map_key = tuple(map_key) if map_key is not None else None
+                    chosen: list[str] = []
 
-                    def build(attempt_next: int, out=out) -> dict[str, Any]:
+                    def build(attempt_next: int, peer_id: str, out=out) -> dict[str, Any]:
+                        chosen[:] = [peer_id]
+                        if map_key is not None and self._maps_sent.get(peer_id) != map_key:
+                            out = self._with_map(out, map_key)  # this peer has not got the map yet
                         return forward_request(
                             run=self.run_id, driver=driver, step=step, mb=mb, attempt=attempt_next,
                             boundary=self.stage, mask_version=self.cfg.mask.version, payload=out, labels=labels,
@@ -368,7 +380,14 @@ class StageHost:
                         )
 
                     t_call = time.time()
-                    reply = await self.call_next(self.stage + 1, build)
+                    try:
+                        reply = await self.call_next(self.stage + 1, build)
+                    except Exception as exc:
+                        if map_key is not None and "never received" in str(exc):
+                            self._maps_sent.clear()  # a peer lost its maps (restarted): send them again
+                        raise
+                    if map_key is not None and chosen:
+                        self._maps_sent[chosen[0]] = map_key
                     if self.trace is not None:
                         self.trace({"kind": "call", "stage": self.stage, "driver": driver, "step": step, "mb": mb,
                                     "t_call": t_call, "t_back": time.time(), "bytes": payload_bytes(out)})
@@ -391,6 +410,14 @@ class StageHost:
             # shielded: a call cancelled while _leave waits for the condition's lock would keep its place forever
             # (the replica would never step again)
             await asyncio.shield(self._leave(completed))
+
+    def _with_map(self, payload: EncodedPayload, key: tuple) -> EncodedPayload:
+        """``payload`` carrying the residual map it names (its bytes count on the forward axis)."""
+        held = self.worker.map_out.history.get(key[1]) if self.worker.map_out is not None else None
+        if held is None:
+            raise StageError(f"residual map {key[1]} is no longer held")
+        self.worker.count("pp_fwd", map_bytes(*held[0].shape))
+        return ResidualMap.with_map(payload, *held)
 
     # ---- the StageBackend surface ----------------------------------------------------------
 

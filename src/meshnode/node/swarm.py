@@ -328,7 +328,8 @@ class SwarmClient:
         self, stage: int, build: Callable[[int], dict[str, Any]], handler: str = "rpc_forward", *,
         stall_timeout: float = 60.0, is_stopping: Callable[[], bool] = lambda: False,
     ) -> dict[str, Any]:
-        """Call ``handler`` on a peer of ``stage``, retrying on other peers; ``build(nonce)`` makes the request.
+        """Call ``handler`` on a peer of ``stage``, retrying on other peers; ``build(nonce, peer_id)`` makes the
+        request for the peer it goes to.
 
         At most ``limits.max_retries + 1`` attempts: untried peers first, then (when every peer of the stage
         was tried) one tried before whose pause has passed. A peer that could not be reached or timed out is
@@ -364,7 +365,7 @@ class SwarmClient:
             try:
                 return await call_rpc(
                     self.p2p, PeerID.from_base58(peer.peer_id), f"{self.run_id}.{handler}",
-                    build(random.getrandbits(31)), max_bytes=self.limits.max_message_bytes,
+                    build(random.getrandbits(31), peer.peer_id), max_bytes=self.limits.max_message_bytes,
                     timeout=self.limits.rpc_timeout, connect_timeout=self.limits.connect_timeout,
                 )
             except RPCError as exc:

@@ -43,7 +43,8 @@ class Limits:
         seq = cfg.data.seq_len
         dense = batch * seq * hidden * 4  # float32, the widest wire dtype
         labels = batch * seq * 4
-        body = max(2 * dense + labels, WEIGHT_CHUNK_BYTES) + FRAME_SLACK
+        ref_map = 2 * hidden * min(cfg.mask.reference_map_rank, hidden) * 2  # a residual map's U and V, bfloat16
+        body = max(2 * dense + labels + ref_map, WEIGHT_CHUNK_BYTES) + FRAME_SLACK
         return cls(max_message_bytes=int(body), max_batch=batch, max_seq=seq, hidden=hidden, vocab=vocab)
 
 

@@ -24,17 +24,33 @@ by both ends (they would compute the same numbers); the counters say what was co
 
 Both ends must compute the same reference to float rounding: same weights (the pretrained ones, never trained),
 same autocast. A mismatch adds to the error; it is not detected.
+
+**The residual map** (``mask.reference_map_rank`` k > 0, forward only). Part of what fine-tuning changes at a
+boundary is a function of the pretrained value itself: ``scripts/probe_residual_predictor.py`` found a linear map
+``r ~ centre(h_ref) A`` that, fitted on the training microbatches a sender has just seen, halves what the 1-bit
+residual code costs the held-out loss (``docs/quality.md``). :class:`ResidualMap` is the sender's side: it
+accumulates the statistics of (h_ref, r) over its microbatches, refits a rank-k ``A = U V^T`` (ridge regression,
+then reduced rank) every ``mask.reference_map_period`` steps, and sends ``U`` and ``V`` (2 k H values in bfloat16)
+once with the next payload; from then on it codes ``r - centre(h_ref) U V^T``. :class:`MapStore` is the
+receiver's: it keeps the maps it was sent, by sender and version, and adds the same prediction back. Every payload
+coded against a map names it (``meta["ref_map"] = [sender, version]``); a receiver that lacks it refuses the
+microbatch. In the mesh a map goes out once, with the next payload; in the swarm the sending host attaches it
+to the first payload for each peer it calls (``meshnode.node.host``), again after a refusal.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from torch import Tensor
+
+from ..compression import REF_MAP_META, REF_MAP_TENSORS, EncodedPayload, PayloadError
 
 REFERENCE_MODES = ("none", "forward", "both")
 
@@ -143,4 +159,184 @@ def peer_passes(stage: int, num_stages: int, mode: str) -> tuple[int, int]:
     return len(prefix) + len(suffixes), len(suffixes)
 
 
-__all__ = ["REFERENCE_MODES", "ReferenceModel", "peer_passes", "peer_plan"]
+MAP_META = REF_MAP_META  # payload meta: [sender, version] of the map the residual was coded against
+MAP_TENSORS = REF_MAP_TENSORS  # payload tensors: the map itself, (H, k) each, once per version and receiver
+MAP_DTYPE = torch.bfloat16
+MAX_MAP_SENDERS = 16  # senders whose maps a receiver keeps (the least recently used go first)
+
+
+def _centred_rows(x: Tensor) -> Tensor:
+    """``x`` (B, T, H) as (B T, H) float32 rows minus their mean (the microbatch's channel means)."""
+    rows = x.detach().float().reshape(-1, x.shape[-1])
+    return rows - rows.mean(dim=0, keepdim=True)
+
+
+def apply_map(h_ref: Tensor, u: Tensor, v: Tensor) -> Tensor:
+    """The predicted residual ``centre(h_ref) U V^T``: float32, ``h_ref``'s shape."""
+    rows = _centred_rows(h_ref)
+    return ((rows @ u.float()) @ v.float().T).reshape(h_ref.shape)
+
+
+class ResidualMap:
+    """The sender's side of the residual map of one boundary (see the module docstring).
+
+    ``observe`` adds a microbatch's (h_ref, exact residual) to the statistics; ``refit`` solves for a new map
+    from the statistics gathered since the last fit (ridge ``ridge`` x tokens on channel-standardised inputs, so
+    the residual stream's few huge channels do not set the penalty for all; then the k directions that carry
+    most of the fitted values) and starts a new version; ``predict`` gives the current map's prediction (zero
+    before the first fit); ``attach`` names the version in a payload and, the first time, carries the map.
+    """
+
+    def __init__(self, hidden: int, rank: int, ridge: float = 1e-2, sender: int | None = None):
+        if not 1 <= rank <= hidden:
+            raise ValueError(f"residual map rank must be in [1, {hidden}], got {rank}")
+        self.hidden, self.rank, self.ridge = int(hidden), int(rank), float(ridge)
+        # names this sender's maps apart from those of other peers of its stage (a receiver may serve several)
+        self.sender = int(sender) if sender is not None else secrets.randbits(31)
+        self.version = 0
+        self.u: Tensor | None = None
+        self.v: Tensor | None = None
+        self.shipped = True  # whether the current version has gone out with a payload
+        self.fits = 0  # refits that produced a map
+        # version -> (U, V) of the last two fits: a swarm host attaches the one a payload names, which a refit
+        # between the forward and the call must not replace
+        self.history: OrderedDict[int, tuple[Tensor, Tensor]] = OrderedDict()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.xtx = torch.zeros(self.hidden, self.hidden, dtype=torch.float64)
+        self.xtr = torch.zeros(self.hidden, self.hidden, dtype=torch.float64)
+        self.tokens = 0
+
+    @torch.no_grad()
+    def observe(self, h_ref: Tensor, resid: Tensor) -> None:
+        if h_ref.shape != resid.shape or h_ref.shape[-1] != self.hidden:
+            raise ValueError(f"residual map: h_ref {tuple(h_ref.shape)} and residual {tuple(resid.shape)} must be "
+                             f"(B, T, {self.hidden})")
+        x, r = _centred_rows(h_ref).cpu(), _centred_rows(resid).cpu()
+        if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(r).all())):
+            return  # a non-finite microbatch teaches the map nothing (its payload is refused elsewhere)
+        self.xtx += (x.T @ x).double()
+        self.xtr += (x.T @ r).double()
+        self.tokens += x.shape[0]
+
+    @torch.no_grad()
+    def refit(self) -> bool:
+        """Fit a new version from the statistics since the last fit (then cleared). False (the current map
+        stays) with fewer tokens than twice the width, or if the fit is not finite."""
+        n, xtx, xtr = self.tokens, self.xtx, self.xtr
+        self._reset()
+        if n < 2 * self.hidden:
+            return False
+        sd = (xtx.diagonal() / n).clamp_min(0).sqrt()
+        sd = sd.clamp_min(1e-6 * float(sd.max()) + 1e-30)
+        std = xtx / sd[:, None] / sd[None, :]
+        eye = torch.eye(self.hidden, dtype=torch.float64)
+        try:
+            a = torch.linalg.solve(std + self.ridge * n * eye, xtr / sd[:, None]) / sd[:, None]
+        except torch.linalg.LinAlgError:
+            return False
+        fitted = a.T @ xtx @ a  # the fitted values' second moment (H, H)
+        try:
+            _, vecs = torch.linalg.eigh((fitted + fitted.T) / 2)
+        except torch.linalg.LinAlgError:
+            return False
+        v = vecs[:, -self.rank:]
+        u = a @ v
+        if not (bool(torch.isfinite(u).all()) and bool(torch.isfinite(v).all())):
+            return False
+        self.u, self.v = u.to(MAP_DTYPE), v.to(MAP_DTYPE)  # rounded as they travel; both ends use these
+        self.version += 1
+        self.history[self.version] = (self.u, self.v)
+        while len(self.history) > 2:
+            self.history.popitem(last=False)
+        self.fits += 1
+        self.shipped = False
+        return True
+
+    def predict(self, h_ref: Tensor) -> Tensor:
+        if self.u is None or self.v is None:
+            return torch.zeros_like(h_ref, dtype=torch.float32)
+        return apply_map(h_ref, self.u.to(h_ref.device), self.v.to(h_ref.device))
+
+    def attach(self, payload: EncodedPayload, ship: bool | None = None) -> EncodedPayload:
+        """``payload`` naming the current map (none before the first fit) and carrying it when ``ship`` (None:
+        if it has not gone out yet, the mesh's rule: one receiver per sender; a swarm host decides per peer)."""
+        if self.version == 0:
+            return payload
+        meta = {**payload.meta, MAP_META: [self.sender, self.version]}
+        tensors = dict(payload.tensors)
+        if ship or (ship is None and not self.shipped):
+            tensors[MAP_TENSORS[0]], tensors[MAP_TENSORS[1]] = self.u, self.v
+            self.shipped = True
+        return dataclasses.replace(payload, meta=meta, tensors=tensors)
+
+    @staticmethod
+    def with_map(payload: EncodedPayload, u: Tensor, v: Tensor) -> EncodedPayload:
+        """``payload`` (which names a map) carrying the map ``(u, v)`` too."""
+        return dataclasses.replace(payload, tensors={**payload.tensors, MAP_TENSORS[0]: u, MAP_TENSORS[1]: v})
+
+
+class MapStore:
+    """The receiver's side of the residual map of one boundary: the maps it was sent, by (sender, version): the
+    last ``keep`` versions of each of the last :data:`MAX_MAP_SENDERS` senders."""
+
+    def __init__(self, hidden: int, rank: int, keep: int = 2):
+        self.hidden, self.rank, self.keep = int(hidden), int(rank), int(keep)
+        self.maps: OrderedDict[tuple[int, int], tuple[Tensor, Tensor]] = OrderedDict()
+
+    def take(self, payload: EncodedPayload) -> tuple[EncodedPayload, tuple[int, int] | None]:
+        """Split a payload into the codec's own part and the (sender, version) its residual was coded against
+        (None: no map), storing a map that travels with it. Raises :class:`PayloadError` for a malformed one."""
+        key = payload.meta.get(MAP_META)
+        parts = [payload.tensors.get(k) for k in MAP_TENSORS]
+        if key is None:
+            if any(p is not None for p in parts):
+                raise PayloadError("a payload carrying a residual map must name it")
+            return payload, None
+        if (not isinstance(key, list) or len(key) != 2 or any(isinstance(x, bool) or not isinstance(x, int)
+                                                               for x in key) or key[1] < 1):
+            raise PayloadError(f"payload {MAP_META} must be [sender, version >= 1], got {key!r}")
+        key = (int(key[0]), int(key[1]))
+        if any(p is not None for p in parts):
+            want = (self.hidden, self.rank)
+            for name, t in zip(MAP_TENSORS, parts):
+                if t is None or tuple(t.shape) != want or t.dtype != MAP_DTYPE:
+                    raise PayloadError(f"payload map tensor {name!r} must be {want} {MAP_DTYPE}, got "
+                                       f"{None if t is None else (tuple(t.shape), t.dtype)}")
+                if not bool(torch.isfinite(t).all()):
+                    raise PayloadError(f"payload map tensor {name!r} has non-finite values")
+            self._store(key, (parts[0], parts[1]))
+        meta = {k: val for k, val in payload.meta.items() if k != MAP_META}
+        tensors = {k: t for k, t in payload.tensors.items() if k not in MAP_TENSORS}
+        return dataclasses.replace(payload, meta=meta, tensors=tensors), key
+
+    def _store(self, key: tuple[int, int], uv: tuple[Tensor, Tensor]) -> None:
+        self.maps[key] = uv
+        self.maps.move_to_end(key)
+        mine = [k for k in self.maps if k[0] == key[0]]
+        for old in sorted(mine)[:-self.keep]:
+            del self.maps[old]
+        while len({k[0] for k in self.maps}) > MAX_MAP_SENDERS:
+            oldest = next(iter(self.maps))[0]
+            for k in [k for k in self.maps if k[0] == oldest]:
+                del self.maps[k]
+
+    def predict(self, key: tuple[int, int] | None, h_ref: Tensor) -> Tensor:
+        if key is None:
+            return torch.zeros_like(h_ref, dtype=torch.float32)
+        held = self.maps.get(key)
+        if held is None:
+            raise KeyError(f"residual map {key[1]} of sender {key[0]} was never received (a peer that restarted "
+                           "since; the sender sends it again)")
+        self.maps.move_to_end(key)
+        return apply_map(h_ref, held[0].to(h_ref.device), held[1].to(h_ref.device))
+
+
+def map_bytes(hidden: int, rank: int) -> int:
+    """Wire bytes of one shipped map (U and V)."""
+    return 2 * hidden * rank * MAP_DTYPE.itemsize
+
+
+__all__ = ["MAP_META", "MAP_TENSORS", "MAX_MAP_SENDERS", "REFERENCE_MODES", "MapStore", "ReferenceModel",
+           "ResidualMap", "apply_map", "map_bytes", "peer_passes", "peer_plan"]

@@ -25,11 +25,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..compression import BoundaryContext, ByteCounter, EncodedPayload, MaskKey, make_codec, payload_bytes
+from ..compression import (
+    BoundaryContext,
+    ByteCounter,
+    EncodedPayload,
+    MaskKey,
+    PayloadError,
+    make_codec,
+    payload_bytes,
+)
 from ..config import RunConfig
 from ..model import StageModule
 from ..optim import MicrobatchNoise, SpectralAdamW
-from .reference import ReferenceModel
+from .reference import MAP_META, MAP_TENSORS, MapStore, ReferenceModel, ResidualMap
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +109,13 @@ class StageWorker:
         # ``mask.reference``: the frozen pretrained stages both ends of a boundary compute the reference from
         # (:mod:`.reference`); whoever builds the worker sets it (it needs every stage's pretrained weights)
         self.reference: ReferenceModel | None = None
+        # ``mask.reference_map_rank``: the residual map of the boundary this stage sends on, and the maps it was
+        # sent for the one it receives on (built at the first microbatch that needs them: they need the width)
+        self.map_out: ResidualMap | None = None
+        self.map_in: MapStore | None = None
+        # whether forward() ships a new map with its next payload (the mesh: one receiver); a swarm host clears it
+        # and attaches the map itself, per peer
+        self.ship_maps = True
 
     # ------------------------------------------------------------------------------------------
     # helpers
@@ -135,8 +150,33 @@ class StageWorker:
                              "reference model, which this worker was not given")
         return self.reference
 
+    def _residual_map(self, hidden: int) -> ResidualMap | None:
+        """The residual map of the boundary this stage sends on (``mask.reference_map_rank``), or None."""
+        if self.cfg.mask.reference_map_rank and self.map_out is None:
+            self.map_out = ResidualMap(hidden, self.cfg.mask.reference_map_rank)
+        return self.map_out
+
+    def _take_map(self, payload: EncodedPayload, ref: ReferenceModel | None
+                  ) -> tuple[EncodedPayload, tuple[int, int] | None]:
+        """The codec's part of an incoming payload and the residual map (sender, version) it names (None: none),
+        storing a map that travels with it."""
+        if MAP_META not in payload.meta and not any(k in payload.tensors for k in MAP_TENSORS):
+            return payload, None
+        if ref is None or not self.cfg.mask.reference_map_rank:
+            raise StageError(f"stage {self.index}: the payload names a residual map, which this boundary does not use")
+        if self.map_in is None:
+            self.map_in = MapStore(payload.shape[-1], self.cfg.mask.reference_map_rank)
+        try:
+            return self.map_in.take(payload)
+        except PayloadError as exc:
+            raise StageError(f"stage {self.index}: {exc}") from None
+
     def _ref_key(self, mb: MicrobatchId) -> tuple:
         return (self.replica, mb)
+
+    def count(self, axis: str, nbytes: int) -> None:
+        """Count ``nbytes`` this worker's host sent on ``axis`` (the anchor's on ``anchor``)."""
+        self.counter.add(self._axis(axis), nbytes)
 
     def _axis(self, axis: str) -> str:
         """Traffic of the anchor replica (``replica < 0``) counts on the ``anchor`` axis."""
@@ -173,12 +213,19 @@ class StageWorker:
             if not isinstance(inputs, EncodedPayload):
                 raise StageError(f"stage {self.index} expects an encoded payload")
             ctx_in = BoundaryContext(key=self._mask_key(mb, self.index - 1))
+            inputs, map_key = self._take_map(inputs, ref)
             x = codec.decode(inputs, ctx_in)  # (B, T, H)
             if ref is not None:
                 if ids is None or ids.dim() != 2 or tuple(ids.shape) != tuple(x.shape[:2]):
                     raise StageError(f"stage {self.index}: reference coding needs the microbatch's token ids "
                                      f"{tuple(x.shape[:2])}, got {None if ids is None else tuple(ids.shape)}")
-                x = x.float() + ref.activation(self._ref_key(mb), ids, self.index - 1)
+                h_ref = ref.activation(self._ref_key(mb), ids, self.index - 1)
+                x = x.float() + h_ref
+                if map_key is not None:
+                    try:
+                        x = x + self.map_in.predict(map_key, h_ref)
+                    except KeyError as exc:
+                        raise StageError(f"stage {self.index}: {exc.args[0]}") from None
             x = x.to(self._dtype()).requires_grad_(True)
             tokens = x.shape[0] * x.shape[1]
         with self.autocast():
@@ -201,10 +248,16 @@ class StageWorker:
             if ids is None:
                 raise StageError(f"stage {self.index}: reference coding needs the microbatch's token ids")
             h_ref = ref.activation(self._ref_key(mb), ids, self.index)
-            payload = codec.encode(out.detach().float() - h_ref, ctx_out)
+            resid = out.detach().float() - h_ref
+            maps = self._residual_map(h_ref.shape[-1])
+            pred = maps.predict(h_ref) if maps is not None else None
+            payload = codec.encode(resid if pred is None else resid - pred, ctx_out)
             if self.cfg.mask.reference == "both":  # the next stage's input, as it will decode it
                 back = codec.decode(payload, BoundaryContext(key=self._mask_key(mb, self.index)))
-                sent = (back.float() + h_ref).to(self._dtype())
+                sent = (back.float() + h_ref + (0.0 if pred is None else pred)).to(self._dtype())
+            if maps is not None:
+                maps.observe(h_ref, resid)
+                payload = maps.attach(payload, None if self.ship_maps else False)
         self.counter.add(self._axis("pp_fwd"), payload_bytes(payload))
         self.in_flight[mb] = _InFlight(x if not self.is_first else None, out, ctx_out, ctx_in, tokens, ids, sent)
         return payload
@@ -264,6 +317,8 @@ class StageWorker:
             self.optimizer.step(step)
             if self.noise is not None:
                 self.noise.after_step(self.optimizer)
+            if self.map_out is not None and (step + 1) % self.cfg.mask.reference_map_period == 0:
+                self.map_out.refit()
         except BaseException:
             if self.noise is not None:  # the next microbatches start a fresh estimate (their gradients add to these)
                 self.noise.reset()

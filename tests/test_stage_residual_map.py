@@ -1,0 +1,298 @@
+"""The residual map of reference coding (``mask.reference_map_rank``): the sender predicts the boundary's change
+from the pretrained value itself and codes what the prediction misses."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from meshnode.compression import PayloadError, make_codec
+from meshnode.config import ConfigError
+from meshnode.mesh import MeshTrainer
+from meshnode.stage import MapStore, MicrobatchId, ResidualMap
+from meshnode.stage.reference import MAP_META, MAP_TENSORS, apply_map, map_bytes
+
+H = 32
+
+
+def _planted(gen, true_map, n=4):
+    """(h_ref, residual): h_ref with one huge channel and a per-microbatch offset; the residual a linear
+    function of the centred h_ref plus noise plus its own offset."""
+    x = torch.randn(n, 16, H, generator=gen)
+    x[..., 3] *= 100.0  # a "massive activation" channel
+    x = x + torch.randn(H, generator=gen)
+    xc = x - x.reshape(-1, H).mean(0)
+    r = xc @ true_map + 0.01 * torch.randn(n, 16, H, generator=gen) + torch.randn(H, generator=gen)
+    return x, r
+
+
+def _centred_err(pred, r):
+    rc = r - r.reshape(-1, H).mean(0)
+    return float((pred - rc).norm() / rc.norm())
+
+
+def test_the_map_recovers_a_planted_low_rank_linear_residual():
+    gen = torch.Generator().manual_seed(0)
+    true_map = torch.randn(H, 4, generator=gen) @ torch.randn(4, H, generator=gen) / H
+    true_map[3] /= 100.0  # the huge channel's row scaled down so that every channel matters alike
+    m = ResidualMap(H, 4)
+    x, r = _planted(gen, true_map, n=1)
+    assert torch.equal(m.predict(x), torch.zeros_like(x))  # nothing before the first fit
+    m.observe(x, r)
+    assert not m.refit() and m.version == 0  # 16 tokens < 2 H: too few, no map
+    for _ in range(10):
+        m.observe(*_planted(gen, true_map))
+    assert m.refit() and m.version == 1 and m.tokens == 0
+    x, r = _planted(gen, true_map)  # fresh microbatch
+    assert _centred_err(m.predict(x), r) < 0.05
+    low = ResidualMap(H, 1)  # rank 1 of a rank-4 map explains only part of it
+    for _ in range(10):
+        low.observe(*_planted(gen, true_map))
+    low.refit()
+    assert 0.2 < _centred_err(low.predict(x), r) < 1.0
+
+
+def test_a_map_travels_once_and_the_receiver_predicts_the_same():
+    gen = torch.Generator().manual_seed(1)
+    true_map = torch.randn(H, H, generator=gen) / H
+    codec = make_codec(dataclasses.replace(_mask(), codec="rotq", bits=1))
+    m, store = ResidualMap(H, 8), MapStore(H, 8)
+    x, r = _planted(gen, true_map)
+    plain = codec.encode(r)
+    assert m.attach(plain) is plain  # no map yet: the payload is the codec's own
+    for _ in range(10):
+        m.observe(*_planted(gen, true_map))
+    m.refit()
+    first, second = m.attach(codec.encode(r)), m.attach(codec.encode(r))
+    assert first.nbytes() - plain.nbytes() == map_bytes(H, 8)
+    assert second.nbytes() == plain.nbytes() and second.meta[MAP_META] == first.meta[MAP_META] == [m.sender, 1]
+    stripped, key = store.take(first)
+    assert key == (m.sender, 1) and stripped.meta == plain.meta and set(stripped.tensors) == set(plain.tensors)
+    torch.testing.assert_close(store.predict(key, x), m.predict(x), rtol=0, atol=0)
+    assert store.take(second)[1] == key
+    with pytest.raises(KeyError, match="never received"):
+        store.predict((m.sender, 2), x)
+    with pytest.raises(KeyError, match="never received"):  # another sender's version 1 is another map
+        store.predict((m.sender + 1, 1), x)
+    # a swarm host ships per peer: the same version again, for another receiver
+    again = m.attach(codec.encode(r), ship=True)
+    assert again.nbytes() == first.nbytes()
+    other = MapStore(H, 8)
+    assert other.take(again)[1] == key and key in other.maps
+
+
+@pytest.mark.parametrize("bad", ["shape", "nan", "version", "unnamed"])
+def test_a_malformed_map_is_refused(bad):
+    gen = torch.Generator().manual_seed(2)
+    m = ResidualMap(H, 4)
+    for _ in range(5):
+        m.observe(*_planted(gen, torch.eye(H)))
+    m.refit()
+    p = m.attach(make_codec(dataclasses.replace(_mask(), codec="rotq", bits=1)).encode(torch.randn(2, 4, H)))
+    tensors, meta = dict(p.tensors), dict(p.meta)
+    if bad == "shape":
+        tensors[MAP_TENSORS[0]] = tensors[MAP_TENSORS[0]][:, :3]
+    elif bad == "nan":
+        tensors[MAP_TENSORS[1]] = torch.full_like(tensors[MAP_TENSORS[1]], float("nan"))
+    elif bad == "version":
+        meta[MAP_META] = [meta[MAP_META][0], True]
+    else:
+        del meta[MAP_META]
+    store = MapStore(H, 4)
+    with pytest.raises(PayloadError):
+        store.take(dataclasses.replace(p, tensors=tensors, meta=meta))
+    assert not store.maps
+
+
+def _mask():
+    from meshnode.config import MaskConfig
+
+    return MaskConfig()
+
+
+MAPPED = ("train.eval_every=0", "model.stages=3", "train.lr=3e-4", "train.warmup_steps=0", "mask.codec=rotq",
+          "mask.bits=1", "mask.reference=both")
+
+
+def test_in_the_mesh_the_map_is_sent_once_per_fit_and_shrinks_the_coded_residual(tiny_cfg, cache_dir):
+    """Tiny model, 1-bit rotq against the reference, a rank-8 map refitted every 2 steps: after 8 steps each
+    boundary has fitted 4 maps and sent 3 (the 4th goes with the next payload; their bytes on pp_fwd, nothing else
+    changes the traffic), and at the trained weights the decoded boundary input is nearer the true one with the
+    map than the same code without it."""
+    plain = MeshTrainer(tiny_cfg(*MAPPED), cache_dir)
+    mapped = MeshTrainer(tiny_cfg(*MAPPED, "mask.reference_map_rank=8", "mask.reference_map_period=2"), cache_dir)
+    for _ in range(8):
+        plain.train_step()
+        mapped.train_step()
+    hidden = mapped.workers[0][0].map_out.hidden
+    assert [w.map_out.version for w in mapped.workers[0][:2]] == [4, 4]
+    sender = mapped.workers[0][0].map_out.sender
+    assert sorted(mapped.workers[0][1].map_in.maps) == [(sender, 2), (sender, 3)]
+    extra = mapped.counter.snapshot()["pp_fwd"] - plain.counter.snapshot()["pp_fwd"]
+    assert extra == 2 * 3 * map_bytes(hidden, 8)
+    assert mapped.counter.snapshot()["pp_bwd"] == plain.counter.snapshot()["pp_bwd"]
+    assert mapped.losses != plain.losses
+
+    w0, w1 = mapped.workers[0][0], mapped.workers[0][1]
+    ids = mapped.sources[0].batch(100)
+    mb = MicrobatchId(100, 0)
+    payload = w0.forward(mb, ids, labels=ids)
+    assert payload.meta[MAP_META] == [sender, 4] and set(MAP_TENSORS) <= set(payload.tensors)  # the new map goes too
+    true_out = w0.in_flight[mb].outputs.detach().float()
+    with_map = w0.in_flight[mb].sent.float()
+    h_ref = mapped.reference.activation(("x",), ids, 0)
+    without = w0.codec.decode(w0.codec.encode(true_out - h_ref)).float() + h_ref
+    err_map, err_plain = float((with_map - true_out).norm()), float((without - true_out).norm())
+    print(f"boundary 0 error with the map {err_map:.4g}, without {err_plain:.4g}")
+    assert err_map < 0.95 * err_plain, (err_map, err_plain)
+    # the receiver decodes the same input the sender expects
+    w1.forward(mb, payload, labels=ids)
+    assert sorted(w1.map_in.maps) == [(sender, 3), (sender, 4)]
+    torch.testing.assert_close(w1.in_flight[mb].inputs.detach().float(), with_map, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(apply_map(h_ref, w0.map_out.u, w0.map_out.v),
+                               w1.map_in.predict((sender, w0.map_out.version), h_ref), rtol=0, atol=0)
+    for w in (w0, w1):
+        w.discard(mb)
+
+
+def test_a_worker_refuses_a_map_it_never_got_or_does_not_use(tiny_cfg, cache_dir):
+    t = MeshTrainer(tiny_cfg(*MAPPED, "mask.reference_map_rank=4", "mask.reference_map_period=1"), cache_dir)
+    t.train_step()
+    w0, w1 = t.workers[0][0], t.workers[0][1]
+    ids = t.sources[0].batch(50)
+    mb = MicrobatchId(50, 0)
+    payload = w0.forward(mb, ids, labels=ids)
+    w0.discard(mb)
+    from meshnode.stage import StageError
+
+    assert set(MAP_TENSORS) <= set(payload.tensors)  # the first payload after the fit carries the map
+    codes_only = {k: v for k, v in payload.tensors.items() if k not in MAP_TENSORS}
+    unknown = dataclasses.replace(payload, meta={**payload.meta, MAP_META: [w0.map_out.sender, 7]}, tensors=codes_only)
+    with pytest.raises(StageError, match="never received"):
+        w1.forward(mb, unknown, labels=ids)
+    assert not w1.in_flight
+    other = MeshTrainer(tiny_cfg(*MAPPED), cache_dir)  # the same codec and reference, no map
+    with pytest.raises(StageError, match="does not use"):
+        other.workers[0][1].forward(mb, payload, labels=ids)
+    assert not other.workers[0][1].in_flight
+
+
+def test_config_refuses_a_map_without_a_reference_or_period(tiny_cfg):
+    with pytest.raises(ConfigError, match="needs mask.reference"):
+        tiny_cfg("mask.codec=rotq", "mask.reference_map_rank=8")
+    with pytest.raises(ConfigError, match="reference_map_period"):
+        tiny_cfg("mask.codec=rotq", "mask.reference=both", "mask.reference_map_rank=8", "mask.reference_map_period=0")
+    with pytest.raises(ConfigError, match="reference_map_rank"):
+        tiny_cfg("mask.codec=rotq", "mask.reference=both", "mask.reference_map_rank=-1")
+
+
+def test_a_receiver_keeps_two_versions_of_its_last_senders():
+    from meshnode.stage.reference import MAX_MAP_SENDERS
+
+    gen = torch.Generator().manual_seed(3)
+    codec = make_codec(dataclasses.replace(_mask(), codec="rotq", bits=1))
+    store = MapStore(H, 2)
+    senders = [ResidualMap(H, 2, sender=s) for s in range(MAX_MAP_SENDERS + 1)]
+    for m in senders:
+        for _ in range(3):  # three fits each: only the last two are kept
+            m.observe(*_planted(gen, torch.eye(H)))
+            m.refit()
+            store.take(m.attach(codec.encode(torch.randn(1, 4, H))))
+    held = set(store.maps)
+    assert (0, 2) not in held and (0, 3) not in held  # the least recently used sender went first
+    assert {(s, v) for s in range(1, MAX_MAP_SENDERS + 1) for v in (2, 3)} == held
+
+
+def test_a_map_crosses_the_wire_and_a_wrong_one_is_refused(tiny_cfg):
+    from meshnode.protocol.limits import Limits
+    from meshnode.protocol.messages import WireError, payload_from_wire, payload_to_wire
+
+    gen = torch.Generator().manual_seed(4)
+    m = ResidualMap(H, 4)
+    for _ in range(3):
+        m.observe(*_planted(gen, torch.eye(H)))
+    m.refit()
+    codec = make_codec(dataclasses.replace(_mask(), codec="rotq", bits=1))
+    p = m.attach(codec.encode(torch.randn(2, 8, H)))
+    cfg = tiny_cfg("mask.codec=rotq", "mask.reference=both", "mask.reference_map_rank=4")
+    limits = Limits.from_config(cfg, H, 100)
+    back = payload_from_wire(payload_to_wire(p), limits, "activation")
+    assert back.meta == p.meta and all(torch.equal(back.tensors[k], p.tensors[k]) for k in p.tensors)
+    wide = dataclasses.replace(p, tensors={**p.tensors, MAP_TENSORS[0]: torch.zeros(H, H + 1, dtype=torch.bfloat16)})
+    with pytest.raises(WireError, match="residual map"):
+        payload_from_wire(payload_to_wire(wide), limits, "activation")
+
+
+def test_a_swarm_host_sends_each_map_once_per_peer_and_again_after_a_restart(tiny_cfg, cache_dir):
+    """Stage 0's host and two peers of stage 1 ("a", "b"), no network: the first payload to each peer carries the
+    map and later ones only name it; a peer that restarted (lost its maps) refuses the next microbatch, after
+    which the sender attaches the map again and the peer serves. Every map sent counts on pp_fwd."""
+    import asyncio
+
+    from meshnode.model import cut_model, load_model
+    from meshnode.node.host import StageHost
+    from meshnode.protocol.limits import Limits
+    from meshnode.stage import ReferenceModel, StageWorker
+
+    cfg = tiny_cfg("model.stages=2", "mask.codec=rotq", "mask.bits=1", "mask.reference=both",
+                   "mask.reference_map_rank=4", "mask.reference_map_period=1000", "train.microbatches=1")
+    model, _ = load_model(cfg.model, cache_dir)
+    hidden = cfg.model.tiny_hidden
+    limits = Limits.from_config(cfg, hidden, cfg.model.tiny_vocab)
+
+    def host(stage):
+        cut = cut_model(model, 2)
+        w = StageWorker(cut[stage], cfg)
+        w.reference = ReferenceModel([cut[0], cut[1]])
+        return StageHost(w, cfg, limits, "run", call_next=call_next if stage == 0 else None)
+
+    target: list[str] = ["a"]
+    requests: list[dict] = []
+
+    async def call_next(stage, build):
+        peer = target[0]
+        req = build(1, peer)
+        requests.append(req)
+        try:
+            return await peers[peer].forward(req)
+        except Exception as exc:
+            raise RuntimeError(f"stage {stage}: no peer could take the microbatch ({peer}: {exc})") from None
+
+    sender = host(0)
+    peers = {"a": host(1), "b": host(1)}
+    ids = torch.randint(0, cfg.model.tiny_vocab, (cfg.train.batch_size, cfg.data.seq_len))
+    maps = sender.worker._residual_map(hidden)
+    with torch.no_grad():
+        h_ref = sender.worker.reference.activation("fit", ids, 0)
+        for _ in range(3):
+            maps.observe(h_ref, torch.randn_like(h_ref))
+    assert maps.refit()
+    one_map = map_bytes(hidden, 4)
+
+    def carried(req):
+        return set(MAP_TENSORS) <= set(req["payload"]["data"])
+
+    async def scenario():
+        sent = []
+        for mb, peer in enumerate(["a", "a", "b"]):
+            target[0] = peer
+            before = sender.worker.counter.snapshot()["pp_fwd"]
+            await sender.process(driver="d", step=mb, mb=0, attempt=1, inputs=ids, labels=ids)
+            sent.append((carried(requests[-1]), sender.worker.counter.snapshot()["pp_fwd"] - before))
+        plain = sent[1][1]
+        assert sent == [(True, plain + one_map), (False, plain), (True, plain + one_map)]
+        peers["a"] = host(1)  # "a" restarted: its maps are gone
+        target[0] = "a"
+        with pytest.raises(RuntimeError, match="never received"):
+            await sender.process(driver="d", step=3, mb=0, attempt=1, inputs=ids, labels=ids)
+        assert not carried(requests[-1]) and not peers["a"].worker.in_flight
+        await sender.process(driver="d", step=4, mb=0, attempt=1, inputs=ids, labels=ids)
+        assert carried(requests[-1]) and (maps.sender, 1) in peers["a"].worker.map_in.maps
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for h in (sender, *peers.values()):
+            h.executor.shutdown(wait=True)
