@@ -83,7 +83,7 @@ eval_batches = 8
 """
 
 
-DEMO_METHODS = ("dense", "m95", "rotq4", "rotq4g1", "rotq2", "rotq2ref")
+DEMO_METHODS = ("dense", "m95", "rotq4", "rotq4g1", "rotq2", "rotq2ref", "rotq1refmap")
 
 
 def method_overrides(method: str, *, tiny: bool, dp_peers: int, anchor: bool, anchor_key: str) -> list[str]:
@@ -92,7 +92,9 @@ def method_overrides(method: str, *, tiny: bool, dp_peers: int, anchor: bool, an
     gains and the channels' spread: ``mask.rotq_weight = norm_std``), ``rotq4g1`` (the same 4-bit activations,
     the gradient back at 1 bit: ``mask.grad_bits = 1``), ``rotq2ref`` (2 bits both ways, unweighted, each
     boundary coded as its change from the frozen pretrained model's: ``mask.reference = both``, every peer holds
-    the whole pretrained model); with DP when ``dp_peers > 1`` (then the
+    the whole pretrained model), ``rotq1refmap`` (1 bit both ways against the reference, with the residual map:
+    ``mask.reference_map_rank``, rank 64 refitted every 10 steps, 8 on the tiny model); with DP when
+    ``dp_peers > 1`` (then the
     anchor takes its weights from the DP log: ``anchor.snapshot = dp``)."""
     if method not in DEMO_METHODS:
         raise ValueError(f"unknown demo method {method!r} (one of {', '.join(DEMO_METHODS)})")
@@ -100,6 +102,9 @@ def method_overrides(method: str, *, tiny: bool, dp_peers: int, anchor: bool, an
         out = ["mask.ratio=0.0"]
     elif method == "rotq2ref":
         out = ["mask.codec=rotq", "mask.bits=2", "mask.reference=both"]
+    elif method == "rotq1refmap":
+        out = ["mask.codec=rotq", "mask.bits=1", "mask.reference=both", f"mask.reference_map_rank={8 if tiny else 64}",
+               "mask.reference_map_period=10"]
     elif method.startswith("rotq"):
         bits, _, grad_bits = method[4:].partition("g")
         out = ["mask.codec=rotq", f"mask.bits={bits}", "mask.rotq_weight=norm_std"]
