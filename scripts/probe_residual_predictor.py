@@ -29,12 +29,13 @@ import time
 
 import torch
 
+from meshnode.compression import RotQuantCodec
 from meshnode.compression.rotquant import rotation, rotq_decode, rotq_encode
 from meshnode.data import BatchSource, heldout_batches
 from meshnode.optim.schedule import lr_at
 from meshnode.stage import causal_lm_loss
 from probe_common import load_probe_model  # scripts/ is on the path when a script runs
-from probe_reference_coding import run_stages
+from probe_reference_coding import boundary_grad, run_stages
 
 RANKS = (4, 16, 64)
 KEEP = (1.0, 0.5, 0.25)
@@ -44,22 +45,23 @@ def centre(x: torch.Tensor) -> torch.Tensor:  # per microbatch, per channel (the
     return x - x.mean(dim=(0, 1), keepdim=True)
 
 
-def fit_map(xs: list[torch.Tensor], ys: list[torch.Tensor], ridge: float) -> torch.Tensor:
+def fit_map(xs: list[torch.Tensor], ys: list[torch.Tensor], ridge: float, center: bool = True) -> torch.Tensor:
     """Ridge regression y ~ x A over all tokens (float64). The inputs are standardised per channel for the
     penalty (the residual stream's few huge channels would otherwise set it for all), ``ridge`` times the
     number of tokens; the returned map acts on the unstandardised x."""
-    x = torch.cat([centre(a).reshape(-1, a.shape[-1]) for a in xs]).double()
-    y = torch.cat([centre(a).reshape(-1, a.shape[-1]) for a in ys]).double()
-    sd = x.std(dim=0).clamp_min(1e-8)
+    c = centre if center else (lambda t: t)
+    x = torch.cat([c(a).reshape(-1, a.shape[-1]) for a in xs]).double()
+    y = torch.cat([c(a).reshape(-1, a.shape[-1]) for a in ys]).double()
+    sd = x.square().mean(dim=0).sqrt().clamp_min(1e-30)
     xs_ = x / sd
     xtx = xs_.T @ xs_
     a = torch.linalg.solve(xtx + ridge * x.shape[0] * torch.eye(xtx.shape[0], dtype=xtx.dtype), xs_.T @ y)
     return a / sd[:, None]
 
 
-def low_rank(a: torch.Tensor, xs: list[torch.Tensor], k: int) -> torch.Tensor:
+def low_rank(a: torch.Tensor, xs: list[torch.Tensor], k: int, center: bool = True) -> torch.Tensor:
     """Reduced-rank regression: project the full map's fitted values onto their top-k right singular vectors."""
-    x = torch.cat([centre(t).reshape(-1, t.shape[-1]) for t in xs]).double()
+    x = torch.cat([(centre(t) if center else t).reshape(-1, t.shape[-1]) for t in xs]).double()
     _, _, vh = torch.linalg.svd(x @ a, full_matrices=False)
     v = vh[:k].T
     return a @ v @ v.T
@@ -95,7 +97,42 @@ def subsample_code(x: torch.Tensor, keep: float, seed: int = 0) -> torch.Tensor:
     return (yhat @ rot).to(x.dtype) + mean
 
 
-def measure(st, frozen, fit_batches, evals, stale_maps, ridge) -> tuple[dict, dict]:
+def grad_side(st, frozen, fit_batches, evals, b: int, ridge: float) -> dict:
+    """The same question for the gradient going back over boundary ``b``: a map ``g - g_ref ~ g_ref A``
+    (uncentred: the rotq gradient code is not centred) fitted on the fit batches; on the held-out batches, the
+    fraction of the residual's energy it explains and the 1-bit code's relative squared error of ``g`` with
+    and without it (``g_ref + pred + decode(code(g - g_ref - pred))`` against ``g``)."""
+    codec = RotQuantCodec(1)
+
+    def pair(ids):
+        with torch.no_grad():
+            h = run_stages(st, ids, 0, b + 1)
+        g = boundary_grad(st, h, ids, b)
+        g_ref = boundary_grad(frozen, h, ids, b)
+        return g_ref, g - g_ref, g
+
+    fit = [pair(ids) for ids in fit_batches]
+    a = fit_map([p[0] for p in fit], [p[1] for p in fit], ridge, center=False)
+    maps = {"none": None, "full": a, "rank64": low_rank(a, [p[0] for p in fit], 64, center=False)}
+    ev = [pair(ids) for ids in evals]
+    res = {"rho_bwd": (sum(float(r.square().sum()) for _, r, _ in ev) / sum(float(g.square().sum()) for *_, g in ev))
+           ** 0.5}
+    for name, m in maps.items():
+        num = den = err = gsq = 0.0
+        for g_ref, r, g in ev:
+            pred = torch.zeros_like(r) if m is None else (g_ref.double() @ m).to(r.dtype)
+            num += float((r - pred).square().sum())
+            den += float(r.square().sum())
+            coded = g_ref + pred + codec.decode_grad(codec.encode_grad(r - pred)).to(r.dtype)
+            err += float((coded - g).square().sum())
+            gsq += float(g.square().sum())
+        if m is not None:
+            res[f"bwd_explained_{name}"] = 1.0 - num / den
+        res[f"bwd_err1_{name}"] = err / gsq
+    return res
+
+
+def measure(st, frozen, fit_batches, evals, stale_maps, ridge, grad=False) -> tuple[dict, dict]:
     out, maps = {}, {}
     n = len(st)
     for b in range(n - 1):
@@ -146,6 +183,8 @@ def measure(st, frozen, fit_batches, evals, stale_maps, ridge) -> tuple[dict, di
                     hh[:, :1] = h[:, :1]
                     acc.setdefault(f"dloss_pred_{pname}_keep1.0_pos0exact", []).append(dloss(hh))
             res.update({k: sum(v) / len(v) for k, v in acc.items()})
+        if grad:
+            res.update(grad_side(st, frozen, fit_batches, evals, b, ridge))
         out[b] = res
     return out, maps
 
@@ -158,6 +197,7 @@ def main() -> None:
     ap.add_argument("--fit-batches", type=int, default=8)
     ap.add_argument("--eval-batches", type=int, default=2)
     ap.add_argument("--ridge", type=float, default=1e-2)
+    ap.add_argument("--grad", action="store_true", help="also the gradient going back (a map from g_ref)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     at = sorted({int(s) for s in args.at.split(",") if int(s) <= args.steps})
@@ -180,7 +220,7 @@ def main() -> None:
             # the sender fits on training microbatches it has just seen (those of the last steps)
             fit = [src.batch(max(0, step - 1 - i)) for i in range(args.fit_batches)]
             stale = old_maps.get(step - args.stale, {})
-            res, maps = measure(st, frozen, fit, evals, stale, args.ridge)
+            res, maps = measure(st, frozen, fit, evals, stale, args.ridge, grad=args.grad and step in at)
             old_maps[step] = maps
             if step in at:
                 rec["steps"][step] = res
@@ -203,7 +243,8 @@ def main() -> None:
             print(f"step {step} train loss {float(loss):.3f} ({time.time() - t0:.0f} s)", flush=True)
     rec["command"] = (f"python scripts/probe_residual_predictor.py --steps {args.steps} --at {args.at} "
                       f"--stale {args.stale} --fit-batches {args.fit_batches} --eval-batches {args.eval_batches} "
-                      f"--ridge {args.ridge}" + (f" --out {args.out}" if args.out else ""))
+                      f"--ridge {args.ridge}" + (" --grad" if args.grad else "")
+                      + (f" --out {args.out}" if args.out else ""))
     rec["wall_s"] = time.time() - t0
     if args.out:
         with open(args.out, "w") as f:

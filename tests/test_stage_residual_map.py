@@ -83,14 +83,19 @@ def test_a_map_travels_once_and_the_receiver_predicts_the_same():
     assert other.take(again)[1] == key and key in other.maps
 
 
+def _fitted_payload(seed: int, batches: int, shape=(2, 4, H)):
+    """(a rank-4 map fitted on ``batches`` planted microbatches, a 1-bit payload naming and carrying it)."""
+    gen = torch.Generator().manual_seed(seed)
+    m = ResidualMap(H, 4)
+    for _ in range(batches):
+        m.observe(*_planted(gen, torch.eye(H)))
+    assert m.refit()
+    return m, m.attach(make_codec(dataclasses.replace(_mask(), codec="rotq", bits=1)).encode(torch.randn(*shape)))
+
+
 @pytest.mark.parametrize("bad", ["shape", "nan", "version", "unnamed"])
 def test_a_malformed_map_is_refused(bad):
-    gen = torch.Generator().manual_seed(2)
-    m = ResidualMap(H, 4)
-    for _ in range(5):
-        m.observe(*_planted(gen, torch.eye(H)))
-    m.refit()
-    p = m.attach(make_codec(dataclasses.replace(_mask(), codec="rotq", bits=1)).encode(torch.randn(2, 4, H)))
+    _, p = _fitted_payload(2, 5)
     tensors, meta = dict(p.tensors), dict(p.meta)
     if bad == "shape":
         tensors[MAP_TENSORS[0]] = tensors[MAP_TENSORS[0]][:, :3]
@@ -209,13 +214,7 @@ def test_a_map_crosses_the_wire_and_a_wrong_one_is_refused(tiny_cfg):
     from meshnode.protocol.limits import Limits
     from meshnode.protocol.messages import WireError, payload_from_wire, payload_to_wire
 
-    gen = torch.Generator().manual_seed(4)
-    m = ResidualMap(H, 4)
-    for _ in range(3):
-        m.observe(*_planted(gen, torch.eye(H)))
-    m.refit()
-    codec = make_codec(dataclasses.replace(_mask(), codec="rotq", bits=1))
-    p = m.attach(codec.encode(torch.randn(2, 8, H)))
+    _, p = _fitted_payload(4, 3, (2, 8, H))
     cfg = tiny_cfg("mask.codec=rotq", "mask.reference=both", "mask.reference_map_rank=4")
     limits = Limits.from_config(cfg, H, 100)
     back = payload_from_wire(payload_to_wire(p), limits, "activation")
