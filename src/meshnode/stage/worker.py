@@ -317,13 +317,17 @@ class StageWorker:
             self.optimizer.step(step)
             if self.noise is not None:
                 self.noise.after_step(self.optimizer)
-            if self.map_out is not None and (step + 1) % self.cfg.mask.reference_map_period == 0:
-                self.map_out.refit()
         except BaseException:
             if self.noise is not None:  # the next microbatches start a fresh estimate (their gradients add to these)
                 self.noise.reset()
             raise
         self.zero_grad()
+        if self.map_out is not None and (step + 1) % self.cfg.mask.reference_map_period == 0:
+            try:  # after the step: a failed fit keeps the current map and never costs the step
+                self.map_out.refit()
+            except Exception:
+                logger.exception("stage %d: residual map refit failed; keeping map %d", self.index,
+                                 self.map_out.version)
         stats = {
             "loss": self.step_stats.loss_sum / max(1, self.step_stats.microbatches),
             "tokens": self.step_stats.tokens,
