@@ -48,6 +48,52 @@ def run_stages(stages, h, lo: int, hi: int):
     return h
 
 
+class DenseProbeRun:
+    """The probes' dense training: SmolLM2-135M in 3 stages on linux-doc, batch 4 x 256, AdamW lr 1e-4 (10 warmup
+    steps, cosine over ``steps``), clip 1.0, bf16 autocast; with a frozen copy of the pretrained stages
+    (``frozen``) and ``eval_batches`` held-out batches (``evals``)."""
+
+    def __init__(self, steps: int, eval_batches: int):
+        _, corpus, cut = load_probe_model()
+        self.st = torch.nn.ModuleList([cut[i] for i in sorted(cut)])
+        self.frozen = copy.deepcopy(self.st)
+        for p in self.frozen.parameters():
+            p.requires_grad_(False)
+        self.evals = heldout_batches(corpus.heldout, 4, eval_batches)
+        self.src = BatchSource(corpus.train, 4, seed=0)
+        self.params = [p for p in self.st.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=1e-4, weight_decay=0.0)
+        self.steps = steps
+
+    def step(self, step: int) -> float:
+        """One optimizer step on training batch ``step``; returns its loss."""
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(step, 1e-4, 10, self.steps, 1.0)
+        ids = self.src.batch(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = causal_lm_loss(run_stages(self.st, ids, 0, len(self.st)), ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    def train_logged(self, step: int, rec: dict, t0: float) -> None:
+        """:meth:`step`, its loss appended to ``rec["train_loss"]`` and printed every 10 steps."""
+        rec["train_loss"].append(self.step(step))
+        if step % 10 == 0:
+            print(f"step {step} train loss {rec['train_loss'][-1]:.3f} ({time.time() - t0:.0f} s)", flush=True)
+
+
+def save_record(rec: dict, command: str, out: str | None, t0: float) -> None:
+    """The probe's record with its command and wall time, written to ``out`` (when given) as JSON."""
+    rec["command"] = command + (f" --out {out}" if out else "")
+    rec["wall_s"] = time.time() - t0
+    if out:
+        with open(out, "w") as f:
+            json.dump(rec, f, indent=1)
+
+
 def rel2(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> float:
     """||a - b||^2 / ||ref||^2 in float64."""
     return float((a.double() - b.double()).square().sum() / ref.double().square().sum())
@@ -124,45 +170,22 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     at = sorted({int(s) for s in args.at.split(",") if int(s) <= args.steps})
-    model, corpus, cut = load_probe_model()
-    st = torch.nn.ModuleList([cut[i] for i in sorted(cut)])
-    frozen = copy.deepcopy(st)
-    for p in frozen.parameters():
-        p.requires_grad_(False)
+    run = DenseProbeRun(args.steps, args.eval_batches)
     codecs = {bits: RotQuantCodec(bits) for bits in BITS}
-    evals = heldout_batches(corpus.heldout, 4, args.eval_batches)
-    src = BatchSource(corpus.train, 4, seed=0)
-    params = [p for p in st.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
     rec: dict = {"steps": {}, "train_loss": []}
     t0 = time.time()
     for step in range(args.steps + 1):
         if step in at:
-            st.eval()
-            res = measure(st, frozen, evals, codecs)
+            run.st.eval()
+            res = measure(run.st, run.frozen, run.evals, codecs)
             rec["steps"][step] = res
             report(step, res)
-            st.train()
+            run.st.train()
         if step == args.steps:
             break
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, 1e-4, 10, args.steps, 1.0)
-        ids = src.batch(step)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = causal_lm_loss(run_stages(st, ids, 0, len(st)), ids)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        rec["train_loss"].append(float(loss))
-        if step % 10 == 0:
-            print(f"step {step} train loss {float(loss):.3f} ({time.time() - t0:.0f} s)", flush=True)
-    rec["command"] = (f"python scripts/probe_reference_coding.py --steps {args.steps} --at {args.at} "
-                      f"--eval-batches {args.eval_batches}" + (f" --out {args.out}" if args.out else ""))
-    rec["wall_s"] = time.time() - t0
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rec, f, indent=1)
+        run.train_logged(step, rec, t0)
+    save_record(rec, f"python scripts/probe_reference_coding.py --steps {args.steps} --at {args.at} "
+                f"--eval-batches {args.eval_batches}", args.out, t0)
 
 
 if __name__ == "__main__":

@@ -23,19 +23,14 @@ carry. This probe asks two questions of a densely trained model (SmolLM2-135M, 3
 from __future__ import annotations
 
 import argparse
-import copy
-import json
 import time
 
 import torch
 
 from meshnode.compression import RotQuantCodec
 from meshnode.compression.rotquant import rotation, rotq_decode, rotq_encode
-from meshnode.data import BatchSource, heldout_batches
-from meshnode.optim.schedule import lr_at
 from meshnode.stage import causal_lm_loss
-from probe_common import load_probe_model  # scripts/ is on the path when a script runs
-from probe_reference_coding import boundary_grad, run_stages
+from probe_reference_coding import DenseProbeRun, boundary_grad, run_stages, save_record
 
 RANKS = (4, 16, 64)
 KEEP = (1.0, 0.5, 0.25)
@@ -202,15 +197,8 @@ def main() -> None:
     args = ap.parse_args()
     at = sorted({int(s) for s in args.at.split(",") if int(s) <= args.steps})
     fit_at = sorted(set(at) | {s - args.stale for s in at if s - args.stale >= 0})
-    model, corpus, cut = load_probe_model()
-    st = torch.nn.ModuleList([cut[i] for i in sorted(cut)])
-    frozen = copy.deepcopy(st)
-    for p in frozen.parameters():
-        p.requires_grad_(False)
-    evals = heldout_batches(corpus.heldout, 4, args.eval_batches)
-    src = BatchSource(corpus.train, 4, seed=0)
-    params = [p for p in st.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
+    run = DenseProbeRun(args.steps, args.eval_batches)
+    st, frozen, evals, src = run.st, run.frozen, run.evals, run.src
     rec: dict = {"steps": {}, "train_loss": []}
     old_maps: dict[int, dict] = {}
     t0 = time.time()
@@ -229,26 +217,10 @@ def main() -> None:
             st.train()
         if step == args.steps:
             break
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, 1e-4, 10, args.steps, 1.0)
-        ids = src.batch(step)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = causal_lm_loss(run_stages(st, ids, 0, len(st)), ids)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        rec["train_loss"].append(float(loss.detach()))
-        if step % 10 == 0:
-            print(f"step {step} train loss {float(loss):.3f} ({time.time() - t0:.0f} s)", flush=True)
-    rec["command"] = (f"python scripts/probe_residual_predictor.py --steps {args.steps} --at {args.at} "
-                      f"--stale {args.stale} --fit-batches {args.fit_batches} --eval-batches {args.eval_batches} "
-                      f"--ridge {args.ridge}" + (" --grad" if args.grad else "")
-                      + (f" --out {args.out}" if args.out else ""))
-    rec["wall_s"] = time.time() - t0
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rec, f, indent=1)
+        run.train_logged(step, rec, t0)
+    save_record(rec, f"python scripts/probe_residual_predictor.py --steps {args.steps} --at {args.at} "
+                f"--stale {args.stale} --fit-batches {args.fit_batches} --eval-batches {args.eval_batches} "
+                f"--ridge {args.ridge}" + (" --grad" if args.grad else ""), args.out, t0)
 
 
 if __name__ == "__main__":
