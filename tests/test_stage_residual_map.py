@@ -226,8 +226,9 @@ def test_a_map_crosses_the_wire_and_a_wrong_one_is_refused(tiny_cfg):
 
 def test_a_swarm_host_sends_each_map_once_per_peer_and_again_after_a_restart(tiny_cfg, cache_dir):
     """Stage 0's host and two peers of stage 1 ("a", "b"), no network: the first payload to each peer carries the
-    map and later ones only name it; a peer that restarted (lost its maps) refuses the next microbatch, after
-    which the sender attaches the map again and the peer serves. Every map sent counts on pp_fwd."""
+    map and later ones only name it; a peer that restarted (lost its maps) refuses the next microbatch, which goes
+    to the other peer if there is one (as ``call_stage`` retries), and the next request to the restarted peer
+    carries the map again. Every map sent counts on pp_fwd."""
     import asyncio
 
     from meshnode.model import cut_model, load_model
@@ -247,17 +248,19 @@ def test_a_swarm_host_sends_each_map_once_per_peer_and_again_after_a_restart(tin
         w.reference = ReferenceModel([cut[0], cut[1]])
         return StageHost(w, cfg, limits, "run", call_next=call_next if stage == 0 else None)
 
-    target: list[str] = ["a"]
+    target: list[str] = ["a"]  # the peers call_next tries, in order
     requests: list[dict] = []
 
     async def call_next(stage, build):
-        peer = target[0]
-        req = build(1, peer)
-        requests.append(req)
-        try:
-            return await peers[peer].forward(req)
-        except Exception as exc:
-            raise RuntimeError(f"stage {stage}: no peer could take the microbatch ({peer}: {exc})") from None
+        errors = []
+        for peer in target:
+            req = build(1, peer)
+            requests.append(req)
+            try:
+                return await peers[peer].forward(req)
+            except Exception as exc:
+                errors.append(f"{peer}: {exc}")
+        raise RuntimeError(f"stage {stage}: no peer could take the microbatch ({'; '.join(errors)})")
 
     sender = host(0)
     peers = {"a": host(1), "b": host(1)}
@@ -276,18 +279,28 @@ def test_a_swarm_host_sends_each_map_once_per_peer_and_again_after_a_restart(tin
     async def scenario():
         sent = []
         for mb, peer in enumerate(["a", "a", "b"]):
-            target[0] = peer
+            target[:] = [peer]
             before = sender.worker.counter.snapshot()["pp_fwd"]
             await sender.process(driver="d", step=mb, mb=0, attempt=1, inputs=ids, labels=ids)
             sent.append((carried(requests[-1]), sender.worker.counter.snapshot()["pp_fwd"] - before))
         plain = sent[1][1]
         assert sent == [(True, plain + one_map), (False, plain), (True, plain + one_map)]
         peers["a"] = host(1)  # "a" restarted: its maps are gone
-        target[0] = "a"
+        target[:] = ["a"]
         with pytest.raises(RuntimeError, match="never received"):
             await sender.process(driver="d", step=3, mb=0, attempt=1, inputs=ids, labels=ids)
         assert not carried(requests[-1]) and not peers["a"].worker.in_flight
         await sender.process(driver="d", step=4, mb=0, attempt=1, inputs=ids, labels=ids)
+        assert carried(requests[-1]) and (maps.sender, 1) in peers["a"].worker.map_in.maps
+        # again, with "b" to fall back on: "a" refuses, "b" (which has the map) serves without it, and the next
+        # request to "a" carries the map
+        peers["a"] = host(1)
+        target[:] = ["a", "b"]
+        n = len(requests)
+        await sender.process(driver="d", step=5, mb=0, attempt=1, inputs=ids, labels=ids)
+        assert [carried(r) for r in requests[n:]] == [False, False]
+        target[:] = ["a"]
+        await sender.process(driver="d", step=6, mb=0, attempt=1, inputs=ids, labels=ids)
         assert carried(requests[-1]) and (maps.sender, 1) in peers["a"].worker.map_in.maps
 
     try:

@@ -367,10 +367,10 @@ class StageHost:
                     vocab = self.limits.vocab
                     map_key = out.meta.get(MAP_META)
                     map_key = tuple(map_key) if map_key is not None else None
-                    chosen: list[str] = []
+                    tried: list[str] = []  # the peers this call went to, in order (the last one answered)
 
                     def build(attempt_next: int, peer_id: str, out=out) -> dict[str, Any]:
-                        chosen[:] = [peer_id]
+                        tried.append(peer_id)
                         if map_key is not None and self._maps_sent.get(peer_id) != map_key:
                             out = self._with_map(out, map_key)  # this peer has not got the map yet
                         return forward_request(
@@ -382,12 +382,13 @@ class StageHost:
                     t_call = time.time()
                     try:
                         reply = await self.call_next(self.stage + 1, build)
-                    except Exception as exc:
-                        if map_key is not None and "never received" in str(exc):
-                            self._maps_sent.clear()  # a peer lost its maps (restarted): send them again
-                        raise
-                    if map_key is not None and chosen:
-                        self._maps_sent[chosen[0]] = map_key
+                    finally:
+                        # a peer that failed a call may have lost its maps (it refuses one it never received after
+                        # a restart): it gets the map again with its next request
+                        for peer_id in tried:
+                            self._maps_sent.pop(peer_id, None)
+                    if map_key is not None and tried:
+                        self._maps_sent[tried[-1]] = map_key
                     if self.trace is not None:
                         self.trace({"kind": "call", "stage": self.stage, "driver": driver, "step": step, "mb": mb,
                                     "t_call": t_call, "t_back": time.time(), "bytes": payload_bytes(out)})
