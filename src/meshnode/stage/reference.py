@@ -194,14 +194,19 @@ class ResidualMap:
         # names this sender's maps apart from those of other peers of its stage (a receiver may serve several)
         self.sender = int(sender) if sender is not None else secrets.randbits(31)
         self.version = 0
-        self.u: Tensor | None = None
-        self.v: Tensor | None = None
         self.shipped = True  # whether the current version has gone out with a payload
-        self.fits = 0  # refits that produced a map
-        # version -> (U, V) of the last two fits: a swarm host attaches the one a payload names, which a refit
-        # between the forward and the call must not replace
+        # version -> (U, V) of the last two fits, the current one last: a swarm host attaches the one a payload
+        # names, which a refit between the forward and the call must not replace
         self.history: OrderedDict[int, tuple[Tensor, Tensor]] = OrderedDict()
         self._reset()
+
+    @property
+    def u(self) -> Tensor | None:
+        return self.history[self.version][0] if self.version else None
+
+    @property
+    def v(self) -> Tensor | None:
+        return self.history[self.version][1] if self.version else None
 
     def _reset(self) -> None:
         self.xtx = torch.zeros(self.hidden, self.hidden, dtype=torch.float64)
@@ -245,31 +250,29 @@ class ResidualMap:
         u = a @ v
         if not (bool(torch.isfinite(u).all()) and bool(torch.isfinite(v).all())):
             return False
-        self.u, self.v = u.to(MAP_DTYPE), v.to(MAP_DTYPE)  # rounded as they travel; both ends use these
         self.version += 1
-        self.history[self.version] = (self.u, self.v)
+        self.history[self.version] = (u.to(MAP_DTYPE), v.to(MAP_DTYPE))  # rounded as they travel; both ends use these
         while len(self.history) > 2:
             self.history.popitem(last=False)
-        self.fits += 1
         self.shipped = False
         return True
 
     def predict(self, h_ref: Tensor) -> Tensor:
-        if self.u is None or self.v is None:
+        if not self.version:
             return torch.zeros_like(h_ref, dtype=torch.float32)
-        return apply_map(h_ref, self.u.to(h_ref.device), self.v.to(h_ref.device))
+        u, v = self.history[self.version]
+        return apply_map(h_ref, u.to(h_ref.device), v.to(h_ref.device))
 
     def attach(self, payload: EncodedPayload, ship: bool | None = None) -> EncodedPayload:
         """``payload`` naming the current map (none before the first fit) and carrying it when ``ship`` (None:
         if it has not gone out yet, the mesh's rule: one receiver per sender; a swarm host decides per peer)."""
         if self.version == 0:
             return payload
-        meta = {**payload.meta, MAP_META: [self.sender, self.version]}
-        tensors = dict(payload.tensors)
+        named = dataclasses.replace(payload, meta={**payload.meta, MAP_META: [self.sender, self.version]})
         if ship or (ship is None and not self.shipped):
-            tensors[MAP_TENSORS[0]], tensors[MAP_TENSORS[1]] = self.u, self.v
             self.shipped = True
-        return dataclasses.replace(payload, meta=meta, tensors=tensors)
+            return self.with_map(named, *self.history[self.version])
+        return named
 
     @staticmethod
     def with_map(payload: EncodedPayload, u: Tensor, v: Tensor) -> EncodedPayload:
