@@ -62,6 +62,8 @@ MB4 = ["train.batch_size=1", "train.microbatches=4"]
 # X = 4 replicas of 2 sequences each as 2 microbatches of 1: the same 8 sequences per step as X = 2
 X4 = ["dp.replicas=4", "train.batch_size=1", "train.microbatches=2"]
 
+REFMAP64_P10 = ["mask.codec=rotq", "mask.bits=1", "mask.reference=both", "mask.reference_map_rank=64",
+                "mask.reference_map_period=10"]
 VARIANTS: dict[str, list[str]] = {
     # the table the issue asks for
     "dense": [],
@@ -134,10 +136,12 @@ VARIANTS: dict[str, list[str]] = {
     # the residual map (twenty-first session): the sender also predicts the residual from the reference by a rank-64
     # linear map refitted every 20 (10) steps and sent once per fit (2 x 64 x 576 bfloat16 = 147 kB per boundary)
     "rotq1_refmap64": ["mask.codec=rotq", "mask.bits=1", "mask.reference=both", "mask.reference_map_rank=64"],
-    "rotq1_refmap64_p10": ["mask.codec=rotq", "mask.bits=1", "mask.reference=both", "mask.reference_map_rank=64",
-                           "mask.reference_map_period=10"],
+    "rotq1_refmap64_p10": REFMAP64_P10,
     "rotq2_g1_refmap64": ["mask.codec=rotq", "mask.bits=2", "mask.grad_bits=1", "mask.reference=both",
                           "mask.reference_map_rank=64"],
+    # the transform code (twenty-second session): with the map, the activation's residual in a fitted KLT code of
+    # R bits per token (R / 576 bits per coordinate) instead of 1-bit rotq; the gradient stays 1-bit rotq
+    **{f"rotq1_refmap64_tc{r}_p10": [*REFMAP64_P10, f"mask.reference_code_bits={r}"] for r in (576, 288, 144)},
     # where dense_dp's loss comes from (same tokens; each variant moves one thing from dense towards dense_dp):
     # half as many optimizer steps of twice the batch (what any X = 2 data parallelism does to a fixed budget),
     # the replicas' weights averaged exactly after every step, exactly every H = 10 steps through the DiLoCo

@@ -6,6 +6,7 @@ No networking here (DESIGN.md section 2): ``stage/`` uses the codecs at its boun
 
 from .accounting import AXES, HEADER_BYTES, ByteCounter, payload_bytes, tensor_bytes
 from .codec import (
+    REF_CODE_TENSORS,
     REF_MAP_META,
     REF_MAP_TENSORS,
     RESCALE_MODES,
@@ -37,16 +38,18 @@ from .powersgd import (
 )
 from .quant import dequantize_absmax, fake_quantize, pack_int4, quantize_absmax, quantized_nbytes, unpack_int4
 from .rotquant import ROTQ_BITS, rotation, rotq_decode, rotq_encode, rotq_nbytes
+from .transform import Transform, fit_transform, normalised_second_moment, tc_decode, tc_encode
 
 __all__ = [
-    "AXES", "HEADER_BYTES", "REF_MAP_META", "REF_MAP_TENSORS", "RESCALE_MODES", "WIRE_DTYPES", "BoundaryCodec",
-    "BoundaryContext", "ByteCounter",
+    "AXES", "HEADER_BYTES", "REF_CODE_TENSORS", "REF_MAP_META", "REF_MAP_TENSORS", "RESCALE_MODES", "WIRE_DTYPES",
+    "BoundaryCodec", "BoundaryContext", "ByteCounter",
     "DenseCodec", "EncodedPayload", "MaskCodec", "MaskKey", "PayloadError", "PowerSGDState", "QuantCodec", "ROTQ_BITS",
     "RotQuantCodec", "rotation", "rotq_decode", "rotq_encode", "rotq_nbytes",
-    "TopKCodec", "channel_hash", "compressed_rank", "dequantize_absmax", "fake_quantize", "gather_kept",
+    "TopKCodec", "Transform", "channel_hash", "compressed_rank", "dequantize_absmax", "fake_quantize", "gather_kept",
     "keep_indices", "keep_mask", "make_codec", "masked_boundary", "num_kept", "orthonormalize", "orthonormalize_all",
     "pack_int4",
     "payload_bytes", "powersgd_allreduce", "powersgd_decode", "quantize_absmax", "quantized_nbytes", "rms_scale",
     "scatter_kept",
-    "simulate_transfer", "tensor_bytes", "unpack_int4",
+    "simulate_transfer", "fit_transform", "normalised_second_moment", "tc_decode", "tc_encode", "tensor_bytes",
+    "unpack_int4",
 ]

@@ -53,6 +53,7 @@ from .accounting import ByteCounter, payload_bytes, tensor_bytes
 from .mask import MaskKey, keep_indices, num_kept
 from .quant import dequantize_absmax, quantize_absmax, quantized_nbytes
 from .rotquant import ROTQ_BITS, packed_width, rotq_decode, rotq_encode, rotq_nbytes
+from .transform import Transform, tc_decode, tc_encode
 
 WIRE_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -66,6 +67,7 @@ ROTQ_GRAD_WEIGHTS = ("none", "std")
 ROTQ_WEIGHT_RANGE = 64.0  # channel weights are normalised to rms 1 and clipped to [1/64, 64]
 FILL_MODES = ("zero", "mean")
 ACTIVATION, GRAD = "activation", "grad"
+TRANSFORM_META = "code_bits"  # rotq payload meta: bits per token of the fitted transform code it is in
 
 
 class PayloadError(ValueError):
@@ -96,6 +98,8 @@ def _dense_shape(x: Tensor) -> tuple[int, int, int]:
 # coded against ([sender, version]), and the tensors that carry the map itself ((H, k) each, once per receiver)
 REF_MAP_META = "ref_map"
 REF_MAP_TENSORS = ("ref_map_u", "ref_map_v")
+# and the transform code fitted with it (``mask.reference_code_bits``): basis (H, m), scale (m,), bits (m,)
+REF_CODE_TENSORS = ("ref_code_basis", "ref_code_scale", "ref_code_bits")
 
 
 @dataclass
@@ -140,6 +144,9 @@ class BoundaryContext:
     key: MaskKey | None = None
     row_offset: int = 0
     gain: Tensor | None = None  # sender side: the receiving layer's input norm gains (H,), for rotq weighting
+    # rotq activations: the fitted transform code to code (sender) or decode (receiver) with instead of the rotation
+    # (``mask.reference_code_bits``; the residual map's, :mod:`.transform`); None: the rotation
+    transform: Transform | None = None
     indices: Tensor | None = None  # (B, T, K) int64
     scale: Tensor | None = None  # (B, T) float32
 
@@ -648,7 +655,50 @@ class RotQuantCodec(_SameBothWays):
         return (self.weight if kind == ACTIVATION else self.grad_weight) != "none"
 
     def encode(self, x: Tensor, ctx: BoundaryContext | None = None) -> EncodedPayload:
+        if ctx is not None and ctx.transform is not None:
+            return self._encode_transform(x, ctx.transform)
         return self._encode(ACTIVATION, x, ctx.gain if ctx is not None else None)
+
+    def decode(self, payload: EncodedPayload, ctx: BoundaryContext | None = None) -> Tensor:
+        if TRANSFORM_META in payload.meta:
+            return self._decode_transform(payload, ctx.transform if ctx is not None else None)
+        return self._decode(payload, ACTIVATION)
+
+    def _encode_transform(self, x: Tensor, tf: Transform) -> EncodedPayload:
+        """The activation in the fitted transform code ``tf`` (centred as usual; no channel weights: the transform
+        is fitted to what it codes). The payload's meta names the code's bits per token."""
+        _dense_shape(x)
+        z = x.detach().float()
+        tensors: dict[str, Tensor] = {}
+        if self.center:
+            tensors["mean"] = z.mean(dim=(0, 1)).to(self.wire_dtype)
+            z = z - tensors["mean"].float()
+        codes, rms = tc_encode(z, tf)
+        tensors.update(codes=codes, rms=rms.to(torch.bfloat16))  # 2 bytes a token: a tenth of a half-bit code
+        return self._payload(ACTIVATION, x, tensors, {**self._meta(), TRANSFORM_META: tf.code_bits})
+
+    def _decode_transform(self, payload: EncodedPayload, tf: Transform | None) -> Tensor:
+        b, t, h = self._header(payload, ACTIVATION)
+        meta = dict(payload.meta)
+        code_bits = meta.pop(TRANSFORM_META)
+        if meta != self._meta():
+            raise PayloadError(f"payload quantised with {meta}, this boundary uses {self._meta()}")
+        if tf is None:
+            raise PayloadError("payload is in a fitted transform code, and this boundary has none for it")
+        if code_bits != tf.code_bits or tf.basis.shape[0] != h:
+            raise PayloadError(f"payload is a {code_bits}-bit transform code of {h} channels; the transform it names "
+                               f"has {tf.code_bits} bits and {tf.basis.shape[0]} channels")
+        specs = {"codes": ((b, t, tf.code_bytes), torch.uint8), "rms": ((b, t), torch.bfloat16)}
+        if self.center:
+            specs["mean"] = ((h,), self.wire_dtype)
+        self._tensors(payload, specs)
+        p = payload.tensors
+        if not bool((p["rms"] >= 0).all()):
+            raise PayloadError("payload tensor 'rms' has negative or non-finite values")
+        y = tc_decode(p["codes"], p["rms"].float(), tf)
+        if self.center:
+            y = y + p["mean"].float()
+        return y.to(_DENSE_DTYPES[payload.dtype])
 
     def channel_weights(self, z: Tensor, gain: Tensor | None, kind: str = ACTIVATION) -> Tensor:
         """The per-channel weights of :attr:`weight` for the (centred) activation ``z`` (B, T, H), or of

@@ -51,7 +51,7 @@ from ..protocol.messages import (
     tensor_to_bytes,
 )
 from ..stage import MicrobatchId, ResidualMap, StageError, StageWorker
-from ..stage.reference import MAP_META, map_bytes
+from ..stage.reference import MAP_META
 
 logger = logging.getLogger(__name__)
 
@@ -417,8 +417,8 @@ class StageHost:
         held = self.worker.map_out.history.get(key[1]) if self.worker.map_out is not None else None
         if held is None:
             raise StageError(f"residual map {key[1]} is no longer held")
-        self.worker.count("pp_fwd", map_bytes(*held[0].shape))
-        return ResidualMap.with_map(payload, *held)
+        self.worker.count("pp_fwd", held.nbytes())
+        return ResidualMap.with_map(payload, held)
 
     # ---- the StageBackend surface ----------------------------------------------------------
 

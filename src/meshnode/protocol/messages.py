@@ -27,7 +27,7 @@ import msgpack
 import torch
 from torch import Tensor
 
-from ..compression import REF_MAP_TENSORS, EncodedPayload
+from ..compression import REF_CODE_TENSORS, REF_MAP_TENSORS, EncodedPayload
 from .limits import MAX_META_BYTES, Limits
 
 PROTOCOL_VERSION = 1
@@ -42,7 +42,7 @@ TENSOR_DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32, "uint16": torch.uint16,
 }
 LABEL_DTYPES = ("uint16", "int32")
-MAX_TENSORS = 6  # a payload's own (at most 4) and a residual map's two
+MAX_TENSORS = 9  # a payload's own (at most 4), a residual map's two and its transform code's three
 
 
 class WireError(ValueError):
@@ -178,9 +178,12 @@ def payload_from_wire(body: Any, limits: Limits, kind: str) -> EncodedPayload:
             raise WireError(f"tensor spec of {name!r} must be [dtype, shape]")
         tt = tensor_from_bytes(data[name], spec[0], spec[1])
         per_channel = tt.dim() == 1 and tt.shape[0] == h  # (H,): channel means (mask fill = mean, rotq)
-        if name in REF_MAP_TENSORS:  # reference coding's residual map: (H, k), k <= H
+        if name in REF_MAP_TENSORS or name == REF_CODE_TENSORS[0]:  # residual map, transform basis: (H, k), k <= H
             if tt.dim() != 2 or tt.shape[0] != h or tt.shape[1] > h:
                 raise WireError(f"tensor {name!r} of shape {list(tt.shape)} is not a residual map ({h}, k <= {h})")
+        elif name in REF_CODE_TENSORS:  # the transform's scales and bits: (m,), m <= H
+            if tt.dim() != 1 or tt.shape[0] > h:
+                raise WireError(f"tensor {name!r} of shape {list(tt.shape)} is not a transform's (m <= {h},)")
         elif not per_channel and (
             tt.shape[0] != b or (tt.dim() > 1 and tt.shape[1] != t) or (tt.dim() > 2 and tt.shape[2] > h)
         ):

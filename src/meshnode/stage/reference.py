@@ -50,7 +50,8 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 from torch import Tensor
 
-from ..compression import REF_MAP_META, REF_MAP_TENSORS, EncodedPayload, PayloadError
+from ..compression import REF_CODE_TENSORS, REF_MAP_META, REF_MAP_TENSORS, EncodedPayload, PayloadError, Transform
+from ..compression.transform import MAX_CODE_BITS, fit_transform
 
 REFERENCE_MODES = ("none", "forward", "both")
 
@@ -161,8 +162,37 @@ def peer_passes(stage: int, num_stages: int, mode: str) -> tuple[int, int]:
 
 MAP_META = REF_MAP_META  # payload meta: [sender, version] of the map the residual was coded against
 MAP_TENSORS = REF_MAP_TENSORS  # payload tensors: the map itself, (H, k) each, once per version and receiver
+CODE_TENSORS = REF_CODE_TENSORS  # payload tensors: the transform code fitted with it (mask.reference_code_bits)
 MAP_DTYPE = torch.bfloat16
 MAX_MAP_SENDERS = 16  # senders whose maps a receiver keeps (the least recently used go first)
+
+
+@dataclasses.dataclass(frozen=True)
+class MapFit:
+    """One version of a boundary's residual model: the map ``U V^T`` (None at rank 0) and the transform code of
+    what it leaves (None without ``mask.reference_code_bits``)."""
+
+    u: Tensor | None
+    v: Tensor | None
+    transform: Transform | None = None
+
+    def tensors(self) -> dict[str, Tensor]:
+        """What travels: the map's and the transform's tensors, by payload name."""
+        out = {} if self.u is None else {MAP_TENSORS[0]: self.u, MAP_TENSORS[1]: self.v}
+        if self.transform is not None:
+            tf = self.transform
+            out.update(zip(CODE_TENSORS, (tf.basis, tf.scale, tf.bits)))
+        return out
+
+    def nbytes(self) -> int:
+        """Wire bytes of this fit when it travels."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def predict(self, h_ref: Tensor) -> Tensor:
+        """The predicted residual for ``h_ref`` (zero without a map): float32, ``h_ref``'s shape."""
+        if self.u is None:
+            return torch.zeros_like(h_ref, dtype=torch.float32)
+        return apply_map(h_ref, self.u.to(h_ref.device), self.v.to(h_ref.device))
 
 
 def _centred_rows(x: Tensor) -> Tensor:
@@ -185,32 +215,54 @@ class ResidualMap:
     the residual stream's few huge channels do not set the penalty for all; then the k directions that carry
     most of the fitted values) and starts a new version; ``predict`` gives the current map's prediction (zero
     before the first fit); ``attach`` names the version in a payload and, the first time, carries the map.
+
+    With ``code_bits`` > 0 each version also carries a transform code of ``code_bits`` bits per token
+    (:mod:`meshnode.compression.transform`) for what the new map leaves of the residual, fitted from the
+    per-token normalised second moment of ``r - centre(h_ref) U V^T`` over the same microbatches (computed
+    exactly for the new map from weighted statistics: each token weighted by 1 / its residual's mean square).
+    ``rank`` may then be 0 (no map, only the code).
     """
 
-    def __init__(self, hidden: int, rank: int, ridge: float = 1e-2, sender: int | None = None):
-        if not 1 <= rank <= hidden:
-            raise ValueError(f"residual map rank must be in [1, {hidden}], got {rank}")
-        self.hidden, self.rank, self.ridge = int(hidden), int(rank), float(ridge)
+    def __init__(self, hidden: int, rank: int, ridge: float = 1e-2, sender: int | None = None, code_bits: int = 0):
+        if not 0 <= rank <= hidden or not (rank or code_bits):
+            raise ValueError(f"residual map rank must be in [1, {hidden}] (or 0 with a transform code), got {rank}")
+        if not 0 <= code_bits <= MAX_CODE_BITS * hidden:
+            raise ValueError(f"mask.reference_code_bits must be in [0, {MAX_CODE_BITS * hidden}] for {hidden} "
+                             f"channels, got {code_bits}")
+        self.hidden, self.rank, self.ridge, self.code_bits = int(hidden), int(rank), float(ridge), int(code_bits)
         # names this sender's maps apart from those of other peers of its stage (a receiver may serve several)
         self.sender = int(sender) if sender is not None else secrets.randbits(31)
         self.version = 0
         self.shipped = True  # whether the current version has gone out with a payload
-        # version -> (U, V) of the last two fits, the current one last: a swarm host attaches the one a payload
+        # version -> MapFit of the last two fits, the current one last: a swarm host attaches the one a payload
         # names, which a refit between the forward and the call must not replace
-        self.history: OrderedDict[int, tuple[Tensor, Tensor]] = OrderedDict()
+        self.history: OrderedDict[int, MapFit] = OrderedDict()
         self._reset()
 
     @property
+    def current(self) -> MapFit | None:
+        return self.history[self.version] if self.version else None
+
+    @property
     def u(self) -> Tensor | None:
-        return self.history[self.version][0] if self.version else None
+        return self.current.u if self.version else None
 
     @property
     def v(self) -> Tensor | None:
-        return self.history[self.version][1] if self.version else None
+        return self.current.v if self.version else None
+
+    @property
+    def transform(self) -> Transform | None:
+        return self.current.transform if self.version else None
 
     def _reset(self) -> None:
-        self.xtx = torch.zeros(self.hidden, self.hidden, dtype=torch.float64)
-        self.xtr = torch.zeros(self.hidden, self.hidden, dtype=torch.float64)
+        def zeros():
+            return torch.zeros(self.hidden, self.hidden, dtype=torch.float64)
+
+        self.xtx, self.xtr = (zeros(), zeros()) if self.rank else (None, None)
+        # the transform code's: sum w x x^T, w x r^T, w r r^T with w = 1 / mean square of the token's residual
+        self.wxx, self.wxr = (zeros(), zeros()) if self.rank and self.code_bits else (None, None)
+        self.wrr = zeros() if self.code_bits else None
         self.tokens = 0
 
     @torch.no_grad()
@@ -218,50 +270,72 @@ class ResidualMap:
         if h_ref.shape != resid.shape or h_ref.shape[-1] != self.hidden:
             raise ValueError(f"residual map: h_ref {tuple(h_ref.shape)} and residual {tuple(resid.shape)} must be "
                              f"(B, T, {self.hidden})")
-        x, r = _centred_rows(h_ref).cpu(), _centred_rows(resid).cpu()
+        x, r = _centred_rows(h_ref).cpu().double(), _centred_rows(resid).cpu().double()
         if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(r).all())):
             return  # a non-finite microbatch teaches the map nothing (its payload is refused elsewhere)
-        self.xtx += (x.T @ x).double()
-        self.xtr += (x.T @ r).double()
+        if self.rank:
+            self.xtx += x.T @ x
+            self.xtr += x.T @ r
+        if self.code_bits:
+            ms = r.square().mean(-1, keepdim=True)
+            w = torch.where(ms > 0, 1.0 / ms, torch.zeros_like(ms))
+            self.wrr += (r * w).T @ r
+            if self.rank:
+                self.wxx += (x * w).T @ x
+                self.wxr += (x * w).T @ r
         self.tokens += x.shape[0]
 
-    @torch.no_grad()
-    def refit(self) -> bool:
-        """Fit a new version from the statistics since the last fit (then cleared). False (the current map
-        stays) with fewer tokens than twice the width, or if the fit is not finite."""
-        n, xtx, xtr = self.tokens, self.xtx, self.xtr
-        self._reset()
-        if n < 2 * self.hidden:
-            return False
+    def _fit_map(self, n: int, xtx: Tensor, xtr: Tensor) -> tuple[Tensor, Tensor] | None:
         sd = (xtx.diagonal() / n).clamp_min(0).sqrt()
         sd = sd.clamp_min(1e-6 * float(sd.max()) + 1e-30)
         std = xtx / sd[:, None] / sd[None, :]
         eye = torch.eye(self.hidden, dtype=torch.float64)
         try:
             a = torch.linalg.solve(std + self.ridge * n * eye, xtr / sd[:, None]) / sd[:, None]
-        except torch.linalg.LinAlgError:
-            return False
-        fitted = a.T @ xtx @ a  # the fitted values' second moment (H, H)
-        try:
+            fitted = a.T @ xtx @ a  # the fitted values' second moment (H, H)
             _, vecs = torch.linalg.eigh((fitted + fitted.T) / 2)
         except torch.linalg.LinAlgError:
-            return False
+            return None
         v = vecs[:, -self.rank:]
         u = a @ v
         if not (bool(torch.isfinite(u).all()) and bool(torch.isfinite(v).all())):
+            return None
+        return u.to(MAP_DTYPE), v.to(MAP_DTYPE)  # rounded as they travel; both ends use these
+
+    @torch.no_grad()
+    def refit(self) -> bool:
+        """Fit a new version from the statistics since the last fit (then cleared). False (the current map
+        stays) with fewer tokens than twice the width, or if the fit is not finite."""
+        n, xtx, xtr, wxx, wxr, wrr = self.tokens, self.xtx, self.xtr, self.wxx, self.wxr, self.wrr
+        self._reset()
+        if n < 2 * self.hidden:
             return False
+        u = v = tf = None
+        if self.rank:
+            uv = self._fit_map(n, xtx, xtr)
+            if uv is None:
+                return False
+            u, v = uv
+        if self.code_bits:
+            s = wrr
+            if u is not None:  # the second moment of r - x A for the map as rounded: what will be coded
+                a = u.double() @ v.double().T
+                cross = a.T @ wxr
+                s = wrr - cross - cross.T + a.T @ wxx @ a
+            try:
+                tf = fit_transform(s, self.code_bits)
+            except (ValueError, torch.linalg.LinAlgError):
+                return False
         self.version += 1
-        self.history[self.version] = (u.to(MAP_DTYPE), v.to(MAP_DTYPE))  # rounded as they travel; both ends use these
+        self.history[self.version] = MapFit(u, v, tf)
         while len(self.history) > 2:
             self.history.popitem(last=False)
         self.shipped = False
         return True
 
     def predict(self, h_ref: Tensor) -> Tensor:
-        if not self.version:
-            return torch.zeros_like(h_ref, dtype=torch.float32)
-        u, v = self.history[self.version]
-        return apply_map(h_ref, u.to(h_ref.device), v.to(h_ref.device))
+        fit = self.current
+        return fit.predict(h_ref) if fit is not None else torch.zeros_like(h_ref, dtype=torch.float32)
 
     def attach(self, payload: EncodedPayload, ship: bool | None = None) -> EncodedPayload:
         """``payload`` naming the current map (none before the first fit) and carrying it when ``ship`` (None:
@@ -271,51 +345,70 @@ class ResidualMap:
         named = dataclasses.replace(payload, meta={**payload.meta, MAP_META: [self.sender, self.version]})
         if ship or (ship is None and not self.shipped):
             self.shipped = True
-            return self.with_map(named, *self.history[self.version])
+            return self.with_map(named, self.current)
         return named
 
     @staticmethod
-    def with_map(payload: EncodedPayload, u: Tensor, v: Tensor) -> EncodedPayload:
-        """``payload`` (which names a map) carrying the map ``(u, v)`` too."""
-        return dataclasses.replace(payload, tensors={**payload.tensors, MAP_TENSORS[0]: u, MAP_TENSORS[1]: v})
+    def with_map(payload: EncodedPayload, fit: MapFit) -> EncodedPayload:
+        """``payload`` (which names a map) carrying the map ``fit`` too."""
+        return dataclasses.replace(payload, tensors={**payload.tensors, **fit.tensors()})
 
 
 class MapStore:
     """The receiver's side of the residual map of one boundary: the maps it was sent, by (sender, version): the
     last ``keep`` versions of each of the last :data:`MAX_MAP_SENDERS` senders."""
 
-    def __init__(self, hidden: int, rank: int, keep: int = 2):
-        self.hidden, self.rank, self.keep = int(hidden), int(rank), int(keep)
-        self.maps: OrderedDict[tuple[int, int], tuple[Tensor, Tensor]] = OrderedDict()
+    def __init__(self, hidden: int, rank: int, keep: int = 2, code_bits: int = 0):
+        self.hidden, self.rank, self.keep, self.code_bits = int(hidden), int(rank), int(keep), int(code_bits)
+        self.maps: OrderedDict[tuple[int, int], MapFit] = OrderedDict()
 
     def take(self, payload: EncodedPayload) -> tuple[EncodedPayload, tuple[int, int] | None]:
         """Split a payload into the codec's own part and the (sender, version) its residual was coded against
         (None: no map), storing a map that travels with it. Raises :class:`PayloadError` for a malformed one."""
         key = payload.meta.get(MAP_META)
-        parts = [payload.tensors.get(k) for k in MAP_TENSORS]
+        names = MAP_TENSORS + CODE_TENSORS
+        parts = {k: payload.tensors[k] for k in names if k in payload.tensors}
         if key is None:
-            if any(p is not None for p in parts):
+            if parts:
                 raise PayloadError("a payload carrying a residual map must name it")
             return payload, None
         if (not isinstance(key, list) or len(key) != 2 or any(isinstance(x, bool) or not isinstance(x, int)
                                                                for x in key) or key[1] < 1):
             raise PayloadError(f"payload {MAP_META} must be [sender, version >= 1], got {key!r}")
         key = (int(key[0]), int(key[1]))
-        if any(p is not None for p in parts):
-            want = (self.hidden, self.rank)
-            for name, t in zip(MAP_TENSORS, parts):
-                if t is None or tuple(t.shape) != want or t.dtype != MAP_DTYPE:
-                    raise PayloadError(f"payload map tensor {name!r} must be {want} {MAP_DTYPE}, got "
-                                       f"{None if t is None else (tuple(t.shape), t.dtype)}")
-                if not bool(torch.isfinite(t).all()):
-                    raise PayloadError(f"payload map tensor {name!r} has non-finite values")
-            self._store(key, (parts[0], parts[1]))
+        if parts:
+            self._store(key, self._fit_from(parts))
         meta = {k: val for k, val in payload.meta.items() if k != MAP_META}
-        tensors = {k: t for k, t in payload.tensors.items() if k not in MAP_TENSORS}
+        tensors = {k: t for k, t in payload.tensors.items() if k not in names}
         return dataclasses.replace(payload, meta=meta, tensors=tensors), key
 
-    def _store(self, key: tuple[int, int], uv: tuple[Tensor, Tensor]) -> None:
-        self.maps[key] = uv
+    def _fit_from(self, parts: dict[str, Tensor]) -> MapFit:
+        want = set(MAP_TENSORS if self.rank else ()) | set(CODE_TENSORS if self.code_bits else ())
+        if set(parts) != want:
+            raise PayloadError(f"payload residual map must carry {sorted(want)}, got {sorted(parts)}")
+        u = v = tf = None
+        if self.rank:
+            for name in MAP_TENSORS:
+                t = parts[name]
+                if tuple(t.shape) != (self.hidden, self.rank) or t.dtype != MAP_DTYPE:
+                    raise PayloadError(f"payload map tensor {name!r} must be {(self.hidden, self.rank)} {MAP_DTYPE}, "
+                                       f"got {(tuple(t.shape), t.dtype)}")
+                if not bool(torch.isfinite(t).all()):
+                    raise PayloadError(f"payload map tensor {name!r} has non-finite values")
+            u, v = parts[MAP_TENSORS[0]], parts[MAP_TENSORS[1]]
+        if self.code_bits:
+            tf = Transform(*(parts[k] for k in CODE_TENSORS))
+            try:
+                tf.check(self.hidden)
+            except ValueError as exc:
+                raise PayloadError(f"payload transform code: {exc}") from None
+            if tf.code_bits != self.code_bits:
+                raise PayloadError(f"payload transform code has {tf.code_bits} bits per token, this boundary uses "
+                                   f"{self.code_bits}")
+        return MapFit(u, v, tf)
+
+    def _store(self, key: tuple[int, int], fit: MapFit) -> None:
+        self.maps[key] = fit
         self.maps.move_to_end(key)
         mine = [k for k in self.maps if k[0] == key[0]]
         for old in sorted(mine)[:-self.keep]:
@@ -325,15 +418,18 @@ class MapStore:
             for k in [k for k in self.maps if k[0] == oldest]:
                 del self.maps[k]
 
-    def predict(self, key: tuple[int, int] | None, h_ref: Tensor) -> Tensor:
-        if key is None:
-            return torch.zeros_like(h_ref, dtype=torch.float32)
+    def get(self, key: tuple[int, int]) -> MapFit:
         held = self.maps.get(key)
         if held is None:
             raise KeyError(f"residual map {key[1]} of sender {key[0]} was never received (a peer that restarted "
                            "since; the sender sends it again)")
         self.maps.move_to_end(key)
-        return apply_map(h_ref, held[0].to(h_ref.device), held[1].to(h_ref.device))
+        return held
+
+    def predict(self, key: tuple[int, int] | None, h_ref: Tensor) -> Tensor:
+        if key is None:
+            return torch.zeros_like(h_ref, dtype=torch.float32)
+        return self.get(key).predict(h_ref)
 
 
 def map_bytes(hidden: int, rank: int) -> int:
@@ -341,5 +437,5 @@ def map_bytes(hidden: int, rank: int) -> int:
     return 2 * hidden * rank * MAP_DTYPE.itemsize
 
 
-__all__ = ["MAP_META", "MAP_TENSORS", "MAX_MAP_SENDERS", "REFERENCE_MODES", "MapStore", "ReferenceModel",
-           "ResidualMap", "apply_map", "map_bytes", "peer_passes", "peer_plan"]
+__all__ = ["CODE_TENSORS", "MAP_META", "MAP_TENSORS", "MAX_MAP_SENDERS", "REFERENCE_MODES", "MapFit", "MapStore",
+           "ReferenceModel", "ResidualMap", "apply_map", "map_bytes", "peer_passes", "peer_plan"]

@@ -37,7 +37,7 @@ from ..compression import (
 from ..config import RunConfig
 from ..model import StageModule
 from ..optim import MicrobatchNoise, SpectralAdamW
-from .reference import MAP_META, MAP_TENSORS, MapStore, ReferenceModel, ResidualMap
+from .reference import CODE_TENSORS, MAP_META, MAP_TENSORS, MapFit, MapStore, ReferenceModel, ResidualMap
 
 logger = logging.getLogger(__name__)
 
@@ -152,24 +152,32 @@ class StageWorker:
 
     def _residual_map(self, hidden: int) -> ResidualMap | None:
         """The residual map of the boundary this stage sends on (``mask.reference_map_rank``), or None."""
-        if self.cfg.mask.reference_map_rank and self.map_out is None:
-            self.map_out = ResidualMap(hidden, self.cfg.mask.reference_map_rank)
+        m = self.cfg.mask
+        if (m.reference_map_rank or m.reference_code_bits) and self.map_out is None:
+            try:
+                self.map_out = ResidualMap(hidden, m.reference_map_rank, code_bits=m.reference_code_bits)
+            except ValueError as exc:
+                raise StageError(f"stage {self.index}: {exc}") from None
         return self.map_out
 
     def _take_map(self, payload: EncodedPayload, ref: ReferenceModel | None
-                  ) -> tuple[EncodedPayload, tuple[int, int] | None]:
-        """The codec's part of an incoming payload and the residual map (sender, version) it names (None: none),
+                  ) -> tuple[EncodedPayload, MapFit | None]:
+        """The codec's part of an incoming payload and the residual map it was coded against (None: none),
         storing a map that travels with it."""
-        if MAP_META not in payload.meta and not any(k in payload.tensors for k in MAP_TENSORS):
+        if MAP_META not in payload.meta and not any(k in payload.tensors for k in MAP_TENSORS + CODE_TENSORS):
             return payload, None
-        if ref is None or not self.cfg.mask.reference_map_rank:
+        m = self.cfg.mask
+        if ref is None or not (m.reference_map_rank or m.reference_code_bits):
             raise StageError(f"stage {self.index}: the payload names a residual map, which this boundary does not use")
         if self.map_in is None:
-            self.map_in = MapStore(payload.shape[-1], self.cfg.mask.reference_map_rank)
+            self.map_in = MapStore(payload.shape[-1], m.reference_map_rank, code_bits=m.reference_code_bits)
         try:
-            return self.map_in.take(payload)
+            payload, key = self.map_in.take(payload)
+            return payload, None if key is None else self.map_in.get(key)
         except PayloadError as exc:
             raise StageError(f"stage {self.index}: {exc}") from None
+        except KeyError as exc:
+            raise StageError(f"stage {self.index}: {exc.args[0]}") from None
 
     def _ref_key(self, mb: MicrobatchId) -> tuple:
         return (self.replica, mb)
@@ -212,8 +220,9 @@ class StageWorker:
         else:
             if not isinstance(inputs, EncodedPayload):
                 raise StageError(f"stage {self.index} expects an encoded payload")
-            ctx_in = BoundaryContext(key=self._mask_key(mb, self.index - 1))
-            inputs, map_key = self._take_map(inputs, ref)
+            inputs, fit = self._take_map(inputs, ref)
+            ctx_in = BoundaryContext(key=self._mask_key(mb, self.index - 1),
+                                     transform=fit.transform if fit is not None else None)
             x = codec.decode(inputs, ctx_in)  # (B, T, H)
             if ref is not None:
                 if ids is None or ids.dim() != 2 or tuple(ids.shape) != tuple(x.shape[:2]):
@@ -221,11 +230,8 @@ class StageWorker:
                                      f"{tuple(x.shape[:2])}, got {None if ids is None else tuple(ids.shape)}")
                 h_ref = ref.activation(self._ref_key(mb), ids, self.index - 1)
                 x = x.float() + h_ref
-                if map_key is not None:
-                    try:
-                        x = x + self.map_in.predict(map_key, h_ref)
-                    except KeyError as exc:
-                        raise StageError(f"stage {self.index}: {exc.args[0]}") from None
+                if fit is not None:
+                    x = x + fit.predict(h_ref)
             x = x.to(self._dtype()).requires_grad_(True)
             tokens = x.shape[0] * x.shape[1]
         with self.autocast():
@@ -251,9 +257,11 @@ class StageWorker:
             resid = out.detach().float() - h_ref
             maps = self._residual_map(h_ref.shape[-1])
             pred = maps.predict(h_ref) if maps is not None else None
+            ctx_out.transform = maps.transform if maps is not None else None
             payload = codec.encode(resid if pred is None else resid - pred, ctx_out)
             if self.cfg.mask.reference == "both":  # the next stage's input, as it will decode it
-                back = codec.decode(payload, BoundaryContext(key=self._mask_key(mb, self.index)))
+                back = codec.decode(payload, BoundaryContext(key=self._mask_key(mb, self.index),
+                                                             transform=ctx_out.transform))
                 sent = (back.float() + h_ref + (0.0 if pred is None else pred)).to(self._dtype())
             if maps is not None:
                 maps.observe(h_ref, resid)

@@ -1,0 +1,173 @@
+"""A fitted transform code for boundary residuals: fewer than one bit per coordinate where the residual has
+preferred directions (``mask.reference_code_bits``).
+
+The rotated codec (:mod:`.rotquant`) makes every coordinate equally important with a random rotation, so its
+cheapest code is one bit for each of the H coordinates; dropping coordinates costs more than it saves. What
+fine-tuning changes at a stage boundary (the reference residual, :mod:`meshnode.stage.reference`) is not
+isotropic: on SmolLM2-135M after 30-60 dense steps the top 64 of 576 directions of its per-token normalised
+second moment hold about half its energy and the top 288 about 80 % (``scripts/probe_transform_coding.py``).
+A Karhunen-Loeve transform fitted by the sender, with the bits given where the variance is, then spends a
+budget of R bits per token far better than a rotation can:
+
+1. **Fit** (sender, every few steps, from the statistics of the residuals it has coded): the eigenvectors and
+   eigenvalues ``var_i`` of ``S = mean_t(e_t e_t^T / rms(e_t)^2)`` (trace H: each token counted by its
+   direction, so the attention sink's huge vector does not own the basis). Integer bits ``b_i`` in 0..4 by
+   greedy reverse water-filling: each of the R bits goes where it removes the most expected squared error,
+   ``var_i (D(b) - D(b + 1))`` with ``D`` the unit Gaussian's quantiser error at b bits; those gains fall with
+   b, so the greedy choice is the top R of the (direction, bit) gains, computed at once. The directions with
+   ``b_i > 0`` (m of them) and their scales ``sqrt(var_i)`` and bits travel once per fit: ``m (2 H + 5)`` bytes.
+2. **Code** each token: ``c = E^T e / rms(e)``; direction i quantised with the MSE-optimal uniform ``b_i``-bit
+   quantiser of a Gaussian of std ``sqrt(var_i)`` (Max 1960); the codes of a token are packed as one bit
+   string (``R`` bits: ``ceil(R / 8)`` bytes) plus its rms as a float32.
+3. **Decode**: ``e_hat = rms * E c_hat``; the directions without bits decode to 0.
+
+Everything here is pure tensor code; the sender's statistics and the shipping of a fit live with the residual
+map (:class:`meshnode.stage.reference.ResidualMap`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .rotquant import pack_codes, unpack_codes
+
+MAX_CODE_BITS = 4  # per direction
+# the MSE-optimal uniform quantiser step for a unit Gaussian with 2**b levels, and its mean squared error
+# (Max 1960, Table I), for b = 0..4
+TC_STEP = (0.0, 1.5956, 0.9957, 0.5860, 0.3352)
+TC_MSE = (1.0, 0.3634, 0.1188, 0.03744, 0.01154)
+BASIS_DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Transform:
+    """A fitted transform code: ``basis`` (H, m) in bfloat16 (orthonormal columns, as rounded for the wire),
+    ``scale`` (m,) float32 (each direction's std in the normalised units), ``bits`` (m,) uint8 in 1..4."""
+
+    basis: Tensor
+    scale: Tensor
+    bits: Tensor
+
+    @property
+    def code_bits(self) -> int:
+        """Bits per token of the packed codes."""
+        return int(self.bits.to(torch.int64).sum())
+
+    @property
+    def code_bytes(self) -> int:
+        return (self.code_bits + 7) // 8
+
+    def wire_bytes(self) -> int:
+        """Bytes of the fit itself (basis, scales, bits)."""
+        return sum(t.numel() * t.element_size() for t in (self.basis, self.scale, self.bits))
+
+    def check(self, hidden: int) -> None:
+        """Raise ValueError unless this is a well-formed transform for ``hidden`` channels (a peer's payload)."""
+        if self.basis.dim() != 2 or self.basis.shape[0] != hidden or not 1 <= self.basis.shape[1] <= hidden:
+            raise ValueError(f"transform basis must be ({hidden}, m) with 1 <= m <= {hidden}, got "
+                             f"{tuple(self.basis.shape)}")
+        m = self.basis.shape[1]
+        for name, t, dt in (("basis", self.basis, BASIS_DTYPE), ("scale", self.scale, torch.float32),
+                            ("bits", self.bits, torch.uint8)):
+            if t.dtype != dt:
+                raise ValueError(f"transform {name} must be {dt}, got {t.dtype}")
+            if name != "basis" and tuple(t.shape) != (m,):
+                raise ValueError(f"transform {name} must have shape ({m},), got {tuple(t.shape)}")
+        if not (bool(torch.isfinite(self.basis.float()).all()) and bool(torch.isfinite(self.scale).all())):
+            raise ValueError("transform has non-finite values")
+        if bool((self.scale <= 0).any()):
+            raise ValueError("transform scales must be positive")
+        if bool(((self.bits < 1) | (self.bits > MAX_CODE_BITS)).any()):
+            raise ValueError(f"transform bits must be in 1..{MAX_CODE_BITS}")
+
+
+def allocate_bits(var: Tensor, budget: int) -> Tensor:
+    """Integer bits (0..4) per direction for directions of variance ``var`` (n,), ``budget`` bits in all (at most
+    4 n): the top ``budget`` of the gains ``var_i (D(b) - D(b + 1))``, which fall with b for every i."""
+    n = var.shape[0]
+    if not 0 <= budget <= MAX_CODE_BITS * n:
+        raise ValueError(f"code budget must be in [0, {MAX_CODE_BITS * n}] bits, got {budget}")
+    d = torch.tensor(TC_MSE, dtype=torch.float64)
+    gains = var.double().clamp_min(0)[:, None] * (d[:-1] - d[1:])[None, :]  # (n, 4), falling along dim 1
+    top = torch.topk(gains.reshape(-1), budget).indices
+    bits = torch.zeros(n * MAX_CODE_BITS, dtype=torch.int64)
+    bits[top] = 1
+    return bits.reshape(n, MAX_CODE_BITS).sum(1)
+
+
+def fit_transform(second_moment: Tensor, budget: int) -> Transform:
+    """The transform code of ``budget`` bits per token for vectors whose per-token normalised second moment is
+    ``second_moment`` (H, H); its trace is taken as H (rescaled if not)."""
+    s = second_moment.double()
+    h = s.shape[0]
+    if s.shape != (h, h):
+        raise ValueError(f"second moment must be square, got {tuple(s.shape)}")
+    if not 1 <= budget <= MAX_CODE_BITS * h:
+        raise ValueError(f"code budget must be in [1, {MAX_CODE_BITS * h}] bits, got {budget}")
+    s = (s + s.T) / 2
+    tr = float(s.trace())
+    if not tr > 0 or not bool(torch.isfinite(s).all()):
+        raise ValueError("second moment must be finite with a positive trace")
+    var, vecs = torch.linalg.eigh(s * (h / tr))
+    order = torch.argsort(var, descending=True)
+    var, vecs = var[order].clamp_min(0), vecs[:, order]
+    bits = allocate_bits(var, budget)
+    keep = bits > 0
+    floor = 1e-12 * float(var[0])
+    return Transform(basis=vecs[:, keep].to(BASIS_DTYPE), scale=var[keep].clamp_min(floor).sqrt().float(),
+                     bits=bits[keep].to(torch.uint8))
+
+
+def _bit_layout(bits: Tensor) -> tuple[Tensor, Tensor]:  # which direction and which bit each code bit is
+    b = bits.to(torch.int64)
+    cols = torch.repeat_interleave(torch.arange(b.shape[0], device=b.device), b)
+    starts = torch.cumsum(b, 0) - b
+    pos = torch.arange(cols.shape[0], device=b.device) - starts[cols]
+    return cols, pos
+
+
+def tc_encode(x: Tensor, tf: Transform) -> tuple[Tensor, Tensor]:
+    """Code ``x`` (..., H): returns ``(codes, rms)``: codes (..., ceil(R / 8)) uint8, rms (...) float32."""
+    h = x.shape[-1]
+    rows = x.detach().float().reshape(-1, h)
+    rms = rows.square().mean(-1).sqrt()
+    unit = rows / torch.where(rms > 0, rms, torch.ones_like(rms))[:, None]
+    c = unit @ tf.basis.float().to(x.device)  # (N, m)
+    b = tf.bits.to(device=x.device, dtype=torch.int64)
+    step = torch.tensor(TC_STEP, device=x.device)[b] * tf.scale.to(x.device)
+    half = (1 << b)[None, :] // 2
+    q = (torch.floor(c / step) + half).clamp(min=torch.zeros_like(half), max=2 * half - 1)  # [0, 2**b)
+    cols, pos = _bit_layout(tf.bits.to(x.device))
+    stream = (q.to(torch.int64)[:, cols] >> pos) & 1  # (N, R)
+    codes = pack_codes(stream.to(torch.uint8), 1)
+    return codes.reshape(*x.shape[:-1], -1), rms.reshape(x.shape[:-1])
+
+
+def tc_decode(codes: Tensor, rms: Tensor, tf: Transform, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Inverse of :func:`tc_encode` (up to the quantisation error): (..., H)."""
+    dev = codes.device
+    r = tf.code_bits
+    stream = unpack_codes(codes.reshape(-1, codes.shape[-1]), 1, r).to(torch.int64)  # (N, R)
+    cols, pos = _bit_layout(tf.bits.to(dev))
+    q = torch.zeros(stream.shape[0], tf.bits.shape[0], dtype=torch.int64, device=dev)
+    q.index_add_(1, cols, stream << pos)
+    b = tf.bits.to(device=dev, dtype=torch.int64)
+    step = torch.tensor(TC_STEP, device=dev)[b] * tf.scale.to(dev)
+    c = (q - (1 << b)[None, :] // 2 + 0.5) * step
+    out = (c @ tf.basis.float().to(dev).T) * rms.reshape(-1, 1).float()
+    return out.reshape(*rms.shape, -1).to(dtype)
+
+
+def normalised_second_moment(rows: Tensor) -> Tensor:
+    """``sum_t e_t e_t^T / rms(e_t)^2`` over the rows (N, H) (float64; rows of zero norm count nothing)."""
+    e = rows.double()
+    ms = e.square().mean(-1, keepdim=True)
+    w = torch.where(ms > 0, 1.0 / ms, torch.zeros_like(ms))
+    return (e * w).T @ e
+
+
+__all__ = ["BASIS_DTYPE", "MAX_CODE_BITS", "TC_MSE", "TC_STEP", "Transform", "allocate_bits", "fit_transform",
+           "normalised_second_moment", "tc_decode", "tc_encode"]

@@ -1,0 +1,226 @@
+"""The fitted transform code (``mask.reference_code_bits``): a KLT with bits by variance, fewer than one bit per
+coordinate where the coded vectors have preferred directions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from meshnode.compression import (
+    BoundaryContext,
+    PayloadError,
+    RotQuantCodec,
+    fit_transform,
+    normalised_second_moment,
+    tc_decode,
+    tc_encode,
+)
+from meshnode.compression.transform import TC_MSE, allocate_bits
+from meshnode.config import ConfigError
+from meshnode.mesh import MeshTrainer
+from meshnode.stage import MapStore, MicrobatchId, ResidualMap
+from meshnode.stage.reference import CODE_TENSORS, MAP_META, MAP_TENSORS
+
+H = 32
+
+
+def _anisotropic(gen, n, h=H, decay=3.0):
+    """n vectors whose variance falls over ``decay`` decades across a random basis, with per-token scales."""
+    q, _ = torch.linalg.qr(torch.randn(h, h, generator=gen, dtype=torch.float64))
+    spec = torch.logspace(0, -decay, h, dtype=torch.float64)
+    x = (torch.randn(n, h, generator=gen, dtype=torch.float64) * spec.sqrt()) @ q.T
+    return (x * (0.1 + 5 * torch.rand(n, 1, generator=gen, dtype=torch.float64))).float()
+
+
+def _greedy(var, budget):  # the explicit loop the vectorised allocation must equal
+    bits = [0] * len(var)
+    for _ in range(budget):
+        gains = [v * (TC_MSE[b] - TC_MSE[b + 1]) if b < 4 else -1.0 for v, b in zip(var.tolist(), bits)]
+        i = max(range(len(gains)), key=gains.__getitem__)
+        bits[i] += 1
+    return bits
+
+
+@pytest.mark.parametrize("budget", [0, 1, 7, 40, 61, 4 * 20])
+def test_bit_allocation_is_the_greedy_water_filling(budget):
+    var = torch.rand(20, generator=torch.Generator().manual_seed(budget)).square() * 10
+    bits = allocate_bits(var, budget)
+    assert int(bits.sum()) == budget and int(bits.max()) <= 4
+    assert bits.tolist() == _greedy(var, budget)
+    order = torch.argsort(var, descending=True)
+    assert bool((bits[order][1:] <= bits[order][:-1]).all())  # more variance, never fewer bits
+    with pytest.raises(ValueError, match="budget"):
+        allocate_bits(var, 4 * 20 + 1)
+
+
+def test_the_code_roundtrips_at_the_gaussian_error_and_beats_the_rotation_below_one_bit():
+    gen = torch.Generator().manual_seed(0)
+    both = _anisotropic(gen, 5000)  # one basis: the fit on 4000 tokens, the test on 1000 others
+    fit, test = both[:4000], both[4000:].reshape(10, 100, H)
+    tf = fit_transform(normalised_second_moment(fit.reshape(-1, H)), H // 2)  # half a bit per coordinate
+    assert tf.code_bits == H // 2 and tf.basis.shape[1] == int((tf.bits > 0).sum()) < H
+    codes, rms = tc_encode(test, tf)
+    assert codes.shape == (10, 100, tf.code_bytes) and codes.dtype == torch.uint8 and rms.shape == (10, 100)
+    err = float((tc_decode(codes, rms, tf) - test).square().sum() / test.square().sum())
+    rot = RotQuantCodec(1, center=False)
+    rot_err = float((rot.decode(rot.encode(test)) - test).square().sum() / test.square().sum())
+    print(f"relative squared error: transform at 0.5 bit {err:.4f}, rotq at 1 bit {rot_err:.4f}")
+    assert err < 0.75 * rot_err  # with half the bits
+    # at 4 bits in every direction the error is the Gaussian quantiser's (0.0115), whatever the spectrum
+    full = fit_transform(normalised_second_moment(fit.reshape(-1, H)), 4 * H)
+    err4 = float((tc_decode(*tc_encode(test, full), full) - test).square().sum() / test.square().sum())
+    assert 0.005 < err4 < 0.02
+    # a token's scale travels in its rms: scaling it scales its decoding
+    c2, r2 = tc_encode(3.0 * test, tf)
+    assert torch.equal(c2, codes)
+    torch.testing.assert_close(tc_decode(c2, r2, tf), 3.0 * tc_decode(codes, rms, tf), rtol=1e-5, atol=1e-6)
+
+
+def test_a_malformed_transform_is_refused():
+    tf = fit_transform(normalised_second_moment(_anisotropic(torch.Generator().manual_seed(1), 500)), 24)
+    tf.check(H)
+    bad = {
+        "hidden": (tf, H + 1),
+        "bits 0": (dataclasses.replace(tf, bits=torch.zeros_like(tf.bits)), H),
+        "bits 5": (dataclasses.replace(tf, bits=torch.full_like(tf.bits, 5)), H),
+        "scale": (dataclasses.replace(tf, scale=-tf.scale), H),
+        "nan": (dataclasses.replace(tf, basis=torch.full_like(tf.basis, float("nan"))), H),
+        "dtype": (dataclasses.replace(tf, basis=tf.basis.float()), H),
+        "length": (dataclasses.replace(tf, scale=tf.scale[:-1]), H),
+    }
+    for what, (t, h) in bad.items():
+        with pytest.raises(ValueError):
+            t.check(h)
+            pytest.fail(what)
+
+
+def test_the_codec_needs_the_transform_its_payload_was_coded_in():
+    gen = torch.Generator().manual_seed(2)
+    x = _anisotropic(gen, 256).reshape(4, 64, H)
+    tf = fit_transform(normalised_second_moment(x.reshape(-1, H)), 40)
+    codec = RotQuantCodec(1)
+    p = codec.encode(x, BoundaryContext(transform=tf))
+    assert p.meta["code_bits"] == 40 and p.tensors["codes"].shape == (4, 64, 5)
+    y = codec.decode(p, BoundaryContext(transform=tf))
+    assert float((y - x).square().sum() / (x - x.mean((0, 1))).square().sum()) < 0.5
+    with pytest.raises(PayloadError, match="has none"):
+        codec.decode(p)
+    other = fit_transform(normalised_second_moment(x.reshape(-1, H)), 48)
+    with pytest.raises(PayloadError, match="40-bit"):
+        codec.decode(p, BoundaryContext(transform=other))
+    short = dataclasses.replace(p, tensors={**p.tensors, "codes": p.tensors["codes"][..., :4]})
+    with pytest.raises(PayloadError):
+        codec.decode(short, BoundaryContext(transform=tf))
+    with pytest.raises(PayloadError):  # quantised with other settings
+        RotQuantCodec(2).decode(p, BoundaryContext(transform=tf))
+
+
+def test_the_sender_fits_the_code_of_what_its_new_map_leaves():
+    """The transform is fitted from weighted statistics; the second moment it diagonalises equals the one computed
+    directly from the residuals minus the new map's prediction (each token weighted by 1 / its residual's mean
+    square), so its top direction is that matrix's."""
+    gen = torch.Generator().manual_seed(4)
+    m = ResidualMap(H, 4, code_bits=48)
+    xs, rs = [], []
+    mix, noise = torch.randn(H, H, generator=gen) / H ** 0.5, _anisotropic(gen, 6 * 64).reshape(6, 64, H)
+    for i in range(6):
+        x = torch.randn(4, 16, H, generator=gen)
+        r = 0.3 * x @ mix + noise[i].reshape(4, 16, H)
+        m.observe(x, r)
+        xs.append(x)
+        rs.append(r)
+    assert m.refit() and m.version == 1
+    tf = m.transform
+    assert tf is not None and tf.code_bits == 48
+    a = m.u.double() @ m.v.double().T
+    direct = torch.zeros(H, H, dtype=torch.float64)
+    for x, r in zip(xs, rs):
+        xc = (x - x.mean((0, 1))).reshape(-1, H).double()
+        rc = (r - r.mean((0, 1))).reshape(-1, H).double()
+        w = 1.0 / rc.square().mean(-1, keepdim=True)
+        e = rc - xc @ a
+        direct += (e * w).T @ e
+    top = torch.linalg.eigh(direct).eigenvectors[:, -1]
+    assert abs(float(top @ tf.basis[:, 0].double())) > 0.99
+    # rank 0: a code and no map
+    only = ResidualMap(H, 0, code_bits=16)
+    for x, r in zip(xs, rs):
+        only.observe(x, r)
+    assert only.refit() and only.u is None and only.transform.code_bits == 16
+    with pytest.raises(ValueError, match="rank"):
+        ResidualMap(H, 0)
+    with pytest.raises(ValueError, match="reference_code_bits"):
+        ResidualMap(H, 4, code_bits=4 * H + 1)
+
+
+def test_a_receiver_stores_the_code_with_the_map_and_refuses_a_bad_one():
+    gen = torch.Generator().manual_seed(5)
+    m = ResidualMap(H, 4, code_bits=24)
+    noise = _anisotropic(gen, 4 * 64).reshape(4, 4, 16, H)
+    for i in range(4):
+        m.observe(torch.randn(4, 16, H, generator=gen), noise[i])
+    assert m.refit()
+    codec = RotQuantCodec(1)
+    x = torch.randn(2, 8, H, generator=gen)
+    sent = m.attach(codec.encode(x, BoundaryContext(transform=m.transform)))
+    assert set(MAP_TENSORS + CODE_TENSORS) <= set(sent.tensors)
+    assert sent.nbytes() - codec.encode(x, BoundaryContext(transform=m.transform)).nbytes() == m.current.nbytes()
+    store = MapStore(H, 4, code_bits=24)
+    plain, key = store.take(sent)
+    assert key == (m.sender, 1) and not set(MAP_TENSORS + CODE_TENSORS) & set(plain.tensors)
+    fit = store.get(key)
+    assert torch.equal(fit.transform.basis, m.transform.basis) and torch.equal(fit.transform.bits, m.transform.bits)
+    torch.testing.assert_close(codec.decode(plain, BoundaryContext(transform=fit.transform)),
+                               codec.decode(plain, BoundaryContext(transform=m.transform)), rtol=0, atol=0)
+    for name, t in [(CODE_TENSORS[2], torch.full_like(sent.tensors[CODE_TENSORS[2]], 9)),
+                    (CODE_TENSORS[1], -sent.tensors[CODE_TENSORS[1]])]:
+        with pytest.raises(PayloadError, match="transform"):
+            MapStore(H, 4, code_bits=24).take(dataclasses.replace(sent, tensors={**sent.tensors, name: t}))
+    missing = {k: v for k, v in sent.tensors.items() if k != CODE_TENSORS[0]}
+    with pytest.raises(PayloadError, match="must carry"):
+        MapStore(H, 4, code_bits=24).take(dataclasses.replace(sent, tensors=missing))
+    with pytest.raises(PayloadError, match="bits per token"):
+        MapStore(H, 4, code_bits=32).take(sent)
+
+
+CODED = ("train.eval_every=0", "model.stages=3", "train.lr=3e-4", "train.warmup_steps=0", "mask.codec=rotq",
+         "mask.bits=1", "mask.reference=both", "mask.reference_map_rank=8", "mask.reference_map_period=2")
+
+
+def test_in_the_mesh_the_code_halves_the_forward_bytes_and_both_ends_agree(tiny_cfg, cache_dir):
+    """Tiny model (H = 64), 1-bit rotq against the reference with a rank-8 map: with a 32-bit transform code (half
+    a bit per coordinate) the forward payloads after the first fit are about half as large, the gradients' are
+    unchanged, and the receiver decodes the input the sender expects."""
+    rotq = MeshTrainer(tiny_cfg(*CODED), cache_dir)
+    coded = MeshTrainer(tiny_cfg(*CODED, "mask.reference_code_bits=32"), cache_dir)
+    for _ in range(6):
+        rotq.train_step()
+        coded.train_step()
+    a, b = rotq.counter.snapshot(), coded.counter.snapshot()
+    assert b["pp_bwd"] == a["pp_bwd"]
+    w0, w1 = coded.workers[0][0], coded.workers[0][1]
+    assert w0.map_out.transform is not None and w0.map_out.transform.code_bits == 32
+    ids = coded.sources[0].batch(100)
+    mb = MicrobatchId(100, 0)
+    payload = w0.forward(mb, ids, labels=ids)
+    assert payload.meta["code_bits"] == 32 and payload.meta[MAP_META][1] == w0.map_out.version
+    plain = rotq.workers[0][0].codec.encode(w0.in_flight[mb].outputs.detach())
+    assert 2 * payload.tensors["codes"].shape[-1] == plain.tensors["codes"].shape[-1] == 8
+    assert payload.tensors["rms"].dtype == torch.bfloat16  # the token's scale in 2 bytes, not 4
+    w1.forward(mb, payload, labels=ids)
+    torch.testing.assert_close(w1.in_flight[mb].inputs.detach().float(), w0.in_flight[mb].sent.float(),
+                               rtol=1e-5, atol=1e-5)
+    for w in (w0, w1):
+        w.discard(mb)
+    assert all(torch.isfinite(torch.tensor(coded.losses)))
+
+
+def test_config_refuses_a_code_without_rotq_and_a_reference(tiny_cfg):
+    with pytest.raises(ConfigError, match="reference_code_bits"):
+        tiny_cfg("mask.codec=rotq", "mask.reference_code_bits=32")
+    with pytest.raises(ConfigError, match="reference_code_bits"):
+        tiny_cfg("mask.ratio=0.9", "mask.reference=both", "mask.reference_code_bits=32")
+    with pytest.raises(ConfigError, match="reference_code_bits"):
+        tiny_cfg("mask.codec=rotq", "mask.reference=both", "mask.reference_code_bits=-1")
