@@ -80,9 +80,10 @@ def test_demo_methods_make_valid_configs_and_unknown_ones_fail(cache_dir):
         assert cfg.anchor.snapshot == ("dp" if method == "m95" else "full")
         if method == "rotq2ref":
             assert (cfg.mask.codec, cfg.mask.bits, cfg.mask.reference) == ("rotq", 2, "both")
-        elif method == "rotq1refmap":
+        elif method.startswith("rotq1refmap"):
             assert (cfg.mask.codec, cfg.mask.bits, cfg.mask.reference) == ("rotq", 1, "both")
             assert (cfg.mask.reference_map_rank, cfg.mask.reference_map_period) == (8, 10)
+            assert cfg.mask.reference_code_bits == (32 if method == "rotq1refmaptc" else 0)
         elif method.startswith("rotq"):
             assert cfg.mask.codec == "rotq" and cfg.mask.rotq_weight == "norm_std"
             assert (cfg.mask.bits, cfg.mask.grad_bits) == rotq_bits[method]

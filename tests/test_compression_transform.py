@@ -224,3 +224,41 @@ def test_config_refuses_a_code_without_rotq_and_a_reference(tiny_cfg):
         tiny_cfg("mask.ratio=0.9", "mask.reference=both", "mask.reference_code_bits=32")
     with pytest.raises(ConfigError, match="reference_code_bits"):
         tiny_cfg("mask.codec=rotq", "mask.reference=both", "mask.reference_code_bits=-1")
+
+
+def test_in_the_mesh_the_gradient_code_halves_the_backward_bytes(tiny_cfg, cache_dir):
+    """``mask.reference_grad_code_bits``: the later stage of each boundary fits a transform code of the gradient's
+    residual and ships it with its gradients; from the first fit on their codes are half as large, the earlier
+    stage decodes them with that code (never the forward's, which the same exchange carried), and training differs
+    from the 1-bit gradient's."""
+    fwd = MeshTrainer(tiny_cfg(*CODED, "mask.reference_code_bits=32"), cache_dir)
+    both = MeshTrainer(tiny_cfg(*CODED, "mask.reference_code_bits=32", "mask.reference_grad_code_bits=32"), cache_dir)
+    for _ in range(6):
+        fwd.train_step()
+        both.train_step()
+    # (the same forward bytes but for the headers: the senders' random ids take more or fewer bytes)
+    assert both.counter.snapshot()["pp_fwd"] == pytest.approx(fwd.counter.snapshot()["pp_fwd"], rel=0.01)
+    assert both.counter.snapshot()["pp_bwd"] < 0.85 * fwd.counter.snapshot()["pp_bwd"]
+    assert both.losses != fwd.losses and all(torch.isfinite(torch.tensor(both.losses)))
+    w0, w1, w2 = both.workers[0]
+    assert w1.gcode_out.transform.code_bits == 32 and w0.gcode_out is None and w2.gcode_out.version == 3
+    # one microbatch through the chain, the codec calls recorded: what w2 codes and what w1 decodes from it
+    sent, got = [], []
+    enc, dec = w2.codec.encode_grad, w1.codec.decode_grad
+    w2.codec.encode_grad = lambda g, ctx=None: sent.append(g.clone()) or enc(g, ctx)
+    w1.codec.decode_grad = lambda p, ctx=None: got.append(dec(p, ctx)) or got[-1]
+    ids = both.sources[0].batch(100)
+    mb = MicrobatchId(100, 0)
+    w2.forward(mb, w1.forward(mb, w0.forward(mb, ids, labels=ids), labels=ids), labels=ids)
+    g2 = w2.backward(mb)
+    assert g2.meta["code_bits"] == 32 and g2.tensors["codes"].shape[-1] == 4  # half of 1-bit rotq's 8 bytes
+    w0.backward(mb, w1.backward(mb, g2))
+    err = float((got[0] - sent[0]).square().sum() / sent[0].square().sum())
+    wrong = dec(dataclasses.replace(g2, meta={k: v for k, v in g2.meta.items() if k != MAP_META},
+                                    tensors={k: v for k, v in g2.tensors.items() if k not in CODE_TENSORS}),
+                BoundaryContext(transform=w1.map_in.get(tuple(w0.forward(MicrobatchId(101, 0), ids, labels=ids)
+                                                               .meta[MAP_META])).transform))
+    err_wrong = float((wrong - sent[0]).square().sum() / sent[0].square().sum())
+    print(f"gradient residual decoded at half a bit: relative squared error {err:.3f} ({err_wrong:.3f} with the "
+          "forward's code)")
+    assert err < 0.6 < err_wrong

@@ -81,6 +81,12 @@ def test_round_trip_dense_mask_rotq():
         (lambda r: r["payload"]["data"].update(values=b"\x00" * 10), "bytes"),
         (lambda r: r["labels"].update(shape=[2, 9]), "bytes"),
         (lambda r: r["labels"].update(dtype="float32"), "labels"),
+        (lambda r: r.update(held_codes=[[1, 2, 3]]), "held_codes"),
+        (lambda r: r.update(held_codes=[[1, True]]), "held_codes"),
+        (lambda r: r.update(held_codes="all"), "held_codes"),
+        (lambda r: r.update(held_codes=[[1, 2]] * 65), "held_codes"),
+        (lambda r: (r["payload"]["tensors"].update(ref_code_scale=["float32", [33]]),
+                    r["payload"]["data"].update(ref_code_scale=b"\x00" * 132)), "transform"),
     ],
 )
 def test_malformed_forward_is_refused(mutate, needle):

@@ -308,3 +308,70 @@ def test_a_swarm_host_sends_each_map_once_per_peer_and_again_after_a_restart(tin
     finally:
         for h in (sender, *peers.values()):
             h.executor.shutdown(wait=True)
+
+
+def test_a_swarm_host_ships_its_gradient_code_to_a_caller_that_does_not_hold_it(tiny_cfg, cache_dir):
+    """``mask.reference_grad_code_bits``: every forward request says which gradient codes the caller holds
+    (``held_codes``); stage 1's host attaches its code to the gradient it replies with only when the caller lacks
+    it: the first reply carries it, the next does not, and a caller that restarted gets it again. The code's bytes
+    count on stage 1's pp_bwd."""
+    import asyncio
+
+    from meshnode.model import cut_model, load_model
+    from meshnode.node.host import StageHost
+    from meshnode.protocol.limits import Limits
+    from meshnode.stage import ReferenceModel, StageWorker
+    from meshnode.stage.reference import CODE_TENSORS
+
+    cfg = tiny_cfg("model.stages=2", "mask.codec=rotq", "mask.bits=1", "mask.reference=both",
+                   "mask.reference_grad_code_bits=16", "mask.reference_map_period=1000", "train.microbatches=1")
+    model, _ = load_model(cfg.model, cache_dir)
+    hidden = cfg.model.tiny_hidden
+    limits = Limits.from_config(cfg, hidden, cfg.model.tiny_vocab)
+    replies: list[dict] = []
+    requests: list[dict] = []
+
+    def host(stage):
+        cut = cut_model(model, 2)
+        w = StageWorker(cut[stage], cfg)
+        w.reference = ReferenceModel([cut[0], cut[1]])
+        return StageHost(w, cfg, limits, "run", call_next=call_next if stage == 0 else None)
+
+    async def call_next(stage, build):
+        requests.append(build(1, "a"))
+        replies.append(await callee.forward(requests[-1]))
+        return replies[-1]
+
+    caller, callee = host(0), host(1)
+    code = callee.worker._grad_code(hidden)
+    for _ in range(3):
+        code.observe(None, torch.randn(2, 32, hidden))
+    assert code.refit()
+    ids = torch.randint(0, cfg.model.tiny_vocab, (cfg.train.batch_size, cfg.data.seq_len))
+
+    def carried(reply):
+        return set(CODE_TENSORS) <= set(reply["payload"]["data"])
+
+    async def scenario():
+        nonlocal caller
+        sent = []
+        for step in range(2):
+            before = callee.worker.counter.snapshot()["pp_bwd"]
+            await caller.process(driver="d", step=step, mb=0, attempt=1, inputs=ids, labels=ids)
+            sent.append((requests[-1].get("held_codes"), carried(replies[-1]),
+                         callee.worker.counter.snapshot()["pp_bwd"] - before))
+        plain = sent[1][2]
+        assert sent == [(None, True, plain + code.current.nbytes()), ([[code.sender, 1]], False, plain)]
+        assert list(caller.worker.gcode_in.maps) == [(code.sender, 1)]
+        old = caller
+        caller = host(0)  # the caller restarted: it holds no code, says so, and gets it again
+        old.executor.shutdown(wait=True)
+        await caller.process(driver="d", step=2, mb=0, attempt=1, inputs=ids, labels=ids)
+        assert "held_codes" not in requests[-1] and carried(replies[-1])
+        assert list(caller.worker.gcode_in.maps) == [(code.sender, 1)]
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for h in (caller, callee):
+            h.executor.shutdown(wait=True)

@@ -157,7 +157,15 @@ def test_anchor_follows_dp_instead_of_fetching_weights(swarm_factory, tmp_path, 
     # (the trace counts the payloads without it: 1-bit gradients against 1-bit centred activations)
     (["mask.codec=rotq", "mask.bits=1", "mask.reference=both", "mask.reference_map_rank=8",
       "mask.reference_map_period=2"], (0.8, 1.0)),
-], ids=["m90", "rotq4g1", "m90_vcorr", "m90_ref", "rotq1_refmap"])
+    # and the transform code fitted with the map (32 bits a token for H = 64): from the first fit on, the
+    # activations go in 4 bytes of codes and a 2-byte scale a token against the gradients' 8 and 4: twice as many
+    (["mask.codec=rotq", "mask.bits=1", "mask.reference=both", "mask.reference_map_rank=8",
+      "mask.reference_map_period=2", "mask.reference_code_bits=32"], (0.8, 2.0)),
+    # and the gradient's transform code, which stage 2 (1) ships to stage 1 (0) with a reply when the request says
+    # the caller does not hold it yet
+    (["mask.codec=rotq", "mask.bits=1", "mask.reference=both", "mask.reference_map_rank=8",
+      "mask.reference_map_period=2", "mask.reference_code_bits=32", "mask.reference_grad_code_bits=32"], (0.5, 2.0)),
+], ids=["m90", "rotq4g1", "m90_vcorr", "m90_ref", "rotq1_refmap", "rotq1_refmap_tc", "rotq1_refmap_tc_g"])
 def test_equivalence_with_in_process_mesh(swarm_factory, tmp_path, cache_dir, codec, grad_share):
     """One peer per stage, compressed boundaries: the swarm's losses are the mesh's.
 
@@ -208,8 +216,12 @@ def test_equivalence_with_in_process_mesh(swarm_factory, tmp_path, cache_dir, co
         plain = mesh_losses(load_config(TINY, [o for o in over if not o.startswith("mask.reference")]))
         assert max(abs(a - b) for a, b in zip(swarm_losses, plain)) > 1e-4
     if sw.cfg.mask.reference_map_rank:  # and the maps reached the next stages: without them the losses differ
-        plain = mesh_losses(load_config(TINY, [o for o in over if not o.startswith("mask.reference_map")]))
+        plain = mesh_losses(load_config(TINY, [o for o in over if not o.startswith("mask.reference_")]))
         assert max(abs(a - b) for a, b in zip(swarm_losses, plain)) > 1e-4
+    for key in ("code", "grad_code"):  # and so did the transform codes
+        if getattr(sw.cfg.mask, f"reference_{key}_bits"):
+            plain = mesh_losses(load_config(TINY, [o for o in over if not o.startswith(f"mask.reference_{key}")]))
+            assert max(abs(a - b) for a, b in zip(swarm_losses, plain)) > 1e-4
 
 
 def test_churn_kill_and_join(swarm_factory, tmp_path):

@@ -128,6 +128,9 @@ class MaskConfig:
     # meshnode.compression.transform) at the same period, ships it with the map, and codes the activation in this
     # many bits per token instead of rotq's ``bits`` x H (rotq before the first fit); 0 = off
     reference_code_bits: int = 0
+    # the same for the gradient going back (``mask.reference = both``): its sender (the later stage) fits a transform
+    # code of ``g - g_ref`` at the map's period and ships it with the gradients; 0 = off (rotq's ``grad_bits``)
+    reference_grad_code_bits: int = 0
     topk_ratio: float = 0.1  # fraction of channels kept by the top-k baseline
     wire_dtype: str = "bfloat16"  # bfloat16 | float16 | float32
     version: int = 0
@@ -284,6 +287,7 @@ _NON_NEGATIVE = {
     "train.steps", "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every",
     "train.checkpoint_every", "train.threads", "mask.warmup_steps", "spectral.tau", "spectral.rank", "data.max_docs",
     "anchor.batch_size", "dp.outer_lr", "train.eps", "mask.reference_map_rank", "mask.reference_code_bits",
+    "mask.reference_grad_code_bits",
 }
 
 
@@ -395,6 +399,9 @@ def _cross_check(cfg: RunConfig) -> None:
     if cfg.mask.reference_code_bits and (cfg.mask.reference == "none" or cfg.mask.codec != "rotq"):
         raise ConfigError("mask.reference_code_bits codes the reference residual by a fitted transform: it needs "
                           "mask.reference = forward | both and mask.codec = rotq")
+    if cfg.mask.reference_grad_code_bits and (cfg.mask.reference != "both" or cfg.mask.codec != "rotq"):
+        raise ConfigError("mask.reference_grad_code_bits codes the gradient's reference residual by a fitted "
+                          "transform: it needs mask.reference = both and mask.codec = rotq")
     if cfg.anchor.enabled and cfg.anchor.snapshot == "dp" and not cfg.dp.enabled:
         raise ConfigError("anchor.snapshot: 'dp' needs dp.enabled = true (the anchor follows the DP all-reduce)")
     if cfg.dp.matchmaking_time >= cfg.dp.round_timeout:

@@ -661,24 +661,34 @@ class RotQuantCodec(_SameBothWays):
 
     def decode(self, payload: EncodedPayload, ctx: BoundaryContext | None = None) -> Tensor:
         if TRANSFORM_META in payload.meta:
-            return self._decode_transform(payload, ctx.transform if ctx is not None else None)
+            return self._decode_transform(payload, ACTIVATION, ctx.transform if ctx is not None else None)
         return self._decode(payload, ACTIVATION)
 
-    def _encode_transform(self, x: Tensor, tf: Transform) -> EncodedPayload:
-        """The activation in the fitted transform code ``tf`` (centred as usual; no channel weights: the transform
-        is fitted to what it codes). The payload's meta names the code's bits per token."""
+    def encode_grad(self, grad: Tensor, ctx: BoundaryContext | None = None) -> EncodedPayload:
+        if ctx is not None and ctx.transform is not None:
+            return self._encode_transform(grad, ctx.transform, GRAD)
+        return self._encode(GRAD, grad)
+
+    def decode_grad(self, payload: EncodedPayload, ctx: BoundaryContext | None = None) -> Tensor:
+        if TRANSFORM_META in payload.meta:
+            return self._decode_transform(payload, GRAD, ctx.transform if ctx is not None else None)
+        return self._decode(payload, GRAD)
+
+    def _encode_transform(self, x: Tensor, tf: Transform, kind: str = ACTIVATION) -> EncodedPayload:
+        """``x`` in the fitted transform code ``tf`` (an activation centred as usual, a gradient as is; no channel
+        weights: the transform is fitted to what it codes). The payload's meta names the code's bits per token."""
         _dense_shape(x)
         z = x.detach().float()
         tensors: dict[str, Tensor] = {}
-        if self.center:
+        if self.center and kind == ACTIVATION:
             tensors["mean"] = z.mean(dim=(0, 1)).to(self.wire_dtype)
             z = z - tensors["mean"].float()
         codes, rms = tc_encode(z, tf)
         tensors.update(codes=codes, rms=rms.to(torch.bfloat16))  # 2 bytes a token: a tenth of a half-bit code
-        return self._payload(ACTIVATION, x, tensors, {**self._meta(), TRANSFORM_META: tf.code_bits})
+        return self._payload(kind, x, tensors, {**self._meta(), TRANSFORM_META: tf.code_bits})
 
-    def _decode_transform(self, payload: EncodedPayload, tf: Transform | None) -> Tensor:
-        b, t, h = self._header(payload, ACTIVATION)
+    def _decode_transform(self, payload: EncodedPayload, kind: str, tf: Transform | None) -> Tensor:
+        b, t, h = self._header(payload, kind)
         meta = dict(payload.meta)
         code_bits = meta.pop(TRANSFORM_META)
         if meta != self._meta():
@@ -689,14 +699,15 @@ class RotQuantCodec(_SameBothWays):
             raise PayloadError(f"payload is a {code_bits}-bit transform code of {h} channels; the transform it names "
                                f"has {tf.code_bits} bits and {tf.basis.shape[0]} channels")
         specs = {"codes": ((b, t, tf.code_bytes), torch.uint8), "rms": ((b, t), torch.bfloat16)}
-        if self.center:
+        centred = self.center and kind == ACTIVATION
+        if centred:
             specs["mean"] = ((h,), self.wire_dtype)
         self._tensors(payload, specs)
         p = payload.tensors
         if not bool((p["rms"] >= 0).all()):
             raise PayloadError("payload tensor 'rms' has negative or non-finite values")
         y = tc_decode(p["codes"], p["rms"].float(), tf)
-        if self.center:
+        if centred:
             y = y + p["mean"].float()
         return y.to(_DENSE_DTYPES[payload.dtype])
 

@@ -83,7 +83,7 @@ eval_batches = 8
 """
 
 
-DEMO_METHODS = ("dense", "m95", "rotq4", "rotq4g1", "rotq2", "rotq2ref", "rotq1refmap")
+DEMO_METHODS = ("dense", "m95", "rotq4", "rotq4g1", "rotq2", "rotq2ref", "rotq1refmap", "rotq1refmaptc")
 
 
 def method_overrides(method: str, *, tiny: bool, dp_peers: int, anchor: bool, anchor_key: str) -> list[str]:
@@ -93,7 +93,9 @@ def method_overrides(method: str, *, tiny: bool, dp_peers: int, anchor: bool, an
     the gradient back at 1 bit: ``mask.grad_bits = 1``), ``rotq2ref`` (2 bits both ways, unweighted, each
     boundary coded as its change from the frozen pretrained model's: ``mask.reference = both``, every peer holds
     the whole pretrained model), ``rotq1refmap`` (1 bit both ways against the reference, with the residual map:
-    ``mask.reference_map_rank``, rank 64 refitted every 10 steps, 8 on the tiny model); with DP when
+    ``mask.reference_map_rank``, rank 64 refitted every 10 steps, 8 on the tiny model), ``rotq1refmaptc`` (the
+    same, the activations in a transform code fitted with the map: ``mask.reference_code_bits``, half a bit per
+    coordinate: 288 bits a token, 32 on the tiny model); with DP when
     ``dp_peers > 1`` (then the
     anchor takes its weights from the DP log: ``anchor.snapshot = dp``)."""
     if method not in DEMO_METHODS:
@@ -102,9 +104,11 @@ def method_overrides(method: str, *, tiny: bool, dp_peers: int, anchor: bool, an
         out = ["mask.ratio=0.0"]
     elif method == "rotq2ref":
         out = ["mask.codec=rotq", "mask.bits=2", "mask.reference=both"]
-    elif method == "rotq1refmap":
+    elif method.startswith("rotq1refmap"):
         out = ["mask.codec=rotq", "mask.bits=1", "mask.reference=both", f"mask.reference_map_rank={8 if tiny else 64}",
                "mask.reference_map_period=10"]
+        if method.endswith("tc"):
+            out.append(f"mask.reference_code_bits={32 if tiny else 288}")
     elif method.startswith("rotq"):
         bits, _, grad_bits = method[4:].partition("g")
         out = ["mask.codec=rotq", f"mask.bits={bits}", "mask.rotq_weight=norm_std"]

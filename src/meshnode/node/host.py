@@ -373,10 +373,11 @@ class StageHost:
                         tried.append(peer_id)
                         if map_key is not None and self._maps_sent.get(peer_id) != map_key:
                             out = self._with_map(out, map_key)  # this peer has not got the map yet
+                        held = self.worker.gcode_in
                         return forward_request(
                             run=self.run_id, driver=driver, step=step, mb=mb, attempt=attempt_next,
                             boundary=self.stage, mask_version=self.cfg.mask.version, payload=out, labels=labels,
-                            vocab=vocab,
+                            vocab=vocab, held_codes=list(held.maps) if held is not None else None,
                         )
 
                     t_call = time.time()
@@ -420,6 +421,19 @@ class StageHost:
         self.worker.count("pp_fwd", held.nbytes())
         return ResidualMap.with_map(payload, held)
 
+    def _with_grad_code(self, grad: EncodedPayload | None, held: set[tuple[int, int]]) -> EncodedPayload | None:
+        """``grad`` carrying the gradient transform code it names when the caller does not hold it (its bytes count on
+        the backward axis): the caller says what it holds in each request, so a restarted one gets it again."""
+        code = self.worker.gcode_out
+        key = grad.meta.get(MAP_META) if grad is not None else None
+        if key is None or code is None or tuple(key) in held:
+            return grad
+        fit = code.history.get(key[1])
+        if fit is None:
+            raise WireError(f"gradient code {key[1]} is no longer held")
+        self.worker.count("pp_bwd", fit.nbytes())
+        return ResidualMap.with_map(grad, fit)
+
     # ---- the StageBackend surface ----------------------------------------------------------
 
     async def forward(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -440,6 +454,7 @@ class StageHost:
             )
         except StageError as exc:
             raise WireError(str(exc)) from None
+        grad_in = self._with_grad_code(grad_in, req.held_codes)
         if self.trace is not None:
             self.trace({"kind": "serve", "stage": self.stage, "driver": req.driver, "step": req.step, "mb": req.mb,
                         "t_in": t_in, "t_out": time.time(), "bytes": payload_bytes(grad_in) if grad_in else 0})

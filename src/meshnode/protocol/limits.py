@@ -44,7 +44,9 @@ class Limits:
         dense = batch * seq * hidden * 4  # float32, the widest wire dtype
         labels = batch * seq * 4
         ref_map = 2 * hidden * min(cfg.mask.reference_map_rank, hidden) * 2  # a residual map's U and V, bfloat16
-        if cfg.mask.reference_code_bits:  # and its transform code: basis (H, m <= H) bfloat16, scales, bits
+        if cfg.mask.reference_code_bits or cfg.mask.reference_grad_code_bits:
+            # and a transform code (the activation's with the map, or the gradient's): basis (H, m <= H) bfloat16,
+            # scales, bits
             ref_map += hidden * hidden * 2 + hidden * 5
         body = max(2 * dense + labels + ref_map, WEIGHT_CHUNK_BYTES) + FRAME_SLACK
         return cls(max_message_bytes=int(body), max_batch=batch, max_seq=seq, hidden=hidden, vocab=vocab)

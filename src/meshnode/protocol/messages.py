@@ -234,7 +234,8 @@ def _str(obj: dict, key: str, max_len: int = 256) -> str:
 class MicrobatchRequest:
     """A validated forward or backward request (tensors rebuilt, ids checked)."""
 
-    __slots__ = ("kind", "run", "driver", "step", "mb", "attempt", "boundary", "mask_version", "payload", "labels")
+    __slots__ = ("kind", "run", "driver", "step", "mb", "attempt", "boundary", "mask_version", "payload", "labels",
+                 "held_codes")
 
     def __init__(self, **kw: Any) -> None:
         for k in self.__slots__:
@@ -245,15 +246,32 @@ class MicrobatchRequest:
         return (self.driver, self.step, self.mb, self.attempt)
 
 
+MAX_HELD_CODES = 64  # gradient transform codes a caller may say it holds (16 senders x 2 versions, with room)
+
+
 def forward_request(
     *, run: str, driver: str, step: int, mb: int, attempt: int, boundary: int, mask_version: int,
-    payload: EncodedPayload, labels: Tensor, vocab: int,
+    payload: EncodedPayload, labels: Tensor, vocab: int, held_codes: list[tuple[int, int]] | None = None,
 ) -> dict[str, Any]:
-    return {
+    """``held_codes``: the (sender, version) of the gradient transform codes (``mask.reference_grad_code_bits``)
+    the caller holds, so that the callee attaches its own with the gradient when the caller lacks it."""
+    obj = {
         "v": PROTOCOL_VERSION, "type": "forward", "run": run, "driver": driver, "step": step, "mb": mb,
         "attempt": attempt, "boundary": boundary, "mask_version": mask_version,
         "payload": payload_to_wire(payload), "labels": labels_to_wire(labels, vocab),
     }
+    if held_codes:
+        obj["held_codes"] = [[int(a), int(b)] for a, b in held_codes]
+    return obj
+
+
+def _held_codes(obj: dict[str, Any]) -> set[tuple[int, int]]:
+    held = obj.get("held_codes", [])
+    if not isinstance(held, list) or len(held) > MAX_HELD_CODES or any(
+            not isinstance(k, list) or len(k) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in k)
+            for k in held):
+        raise WireError(f"held_codes must be a list of at most {MAX_HELD_CODES} [sender, version] pairs")
+    return {(int(a), int(b)) for a, b in held}
 
 
 def parse_forward(
@@ -271,6 +289,7 @@ def parse_forward(
     req.labels = labels_from_wire(obj.get("labels"), limits)
     if tuple(req.labels.shape) != tuple(req.payload.shape[:2]):
         raise WireError(f"labels {list(req.labels.shape)} do not match the payload's (B, T) {req.payload.shape[:2]}")
+    req.held_codes = _held_codes(obj)
     return req
 
 

@@ -223,13 +223,17 @@ class ResidualMap:
     ``rank`` may then be 0 (no map, only the code).
     """
 
-    def __init__(self, hidden: int, rank: int, ridge: float = 1e-2, sender: int | None = None, code_bits: int = 0):
+    def __init__(self, hidden: int, rank: int, ridge: float = 1e-2, sender: int | None = None, code_bits: int = 0,
+                 centre: bool = True):
+        if rank and not centre:
+            raise ValueError("a residual map predicts a centred residual: rank > 0 needs centre")
         if not 0 <= rank <= hidden or not (rank or code_bits):
             raise ValueError(f"residual map rank must be in [1, {hidden}] (or 0 with a transform code), got {rank}")
         if not 0 <= code_bits <= MAX_CODE_BITS * hidden:
             raise ValueError(f"mask.reference_code_bits must be in [0, {MAX_CODE_BITS * hidden}] for {hidden} "
                              f"channels, got {code_bits}")
         self.hidden, self.rank, self.ridge, self.code_bits = int(hidden), int(rank), float(ridge), int(code_bits)
+        self.centre = bool(centre)  # whether what is coded is centred per microbatch (activations; not gradients)
         # names this sender's maps apart from those of other peers of its stage (a receiver may serve several)
         self.sender = int(sender) if sender is not None else secrets.randbits(31)
         self.version = 0
@@ -266,11 +270,15 @@ class ResidualMap:
         self.tokens = 0
 
     @torch.no_grad()
-    def observe(self, h_ref: Tensor, resid: Tensor) -> None:
-        if h_ref.shape != resid.shape or h_ref.shape[-1] != self.hidden:
-            raise ValueError(f"residual map: h_ref {tuple(h_ref.shape)} and residual {tuple(resid.shape)} must be "
-                             f"(B, T, {self.hidden})")
-        x, r = _centred_rows(h_ref).cpu().double(), _centred_rows(resid).cpu().double()
+    def observe(self, h_ref: Tensor | None, resid: Tensor) -> None:
+        """Add a microbatch: ``h_ref`` (may be None without a map, which does not read it) and the exact residual,
+        both (B, T, H)."""
+        if resid.shape[-1] != self.hidden or (h_ref is None and self.rank) or (
+                h_ref is not None and h_ref.shape != resid.shape):
+            raise ValueError(f"residual map: h_ref {None if h_ref is None else tuple(h_ref.shape)} and residual "
+                             f"{tuple(resid.shape)} must be (B, T, {self.hidden}) (h_ref None only without a map)")
+        r = (_centred_rows(resid) if self.centre else resid.detach().float().reshape(-1, self.hidden)).cpu().double()
+        x = _centred_rows(h_ref).cpu().double() if self.rank else r
         if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(r).all())):
             return  # a non-finite microbatch teaches the map nothing (its payload is refused elsewhere)
         if self.rank:

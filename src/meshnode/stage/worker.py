@@ -18,6 +18,7 @@ the same rule, so every comparison is like for like.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -113,8 +114,12 @@ class StageWorker:
         # sent for the one it receives on (built at the first microbatch that needs them: they need the width)
         self.map_out: ResidualMap | None = None
         self.map_in: MapStore | None = None
-        # whether forward() ships a new map with its next payload (the mesh: one receiver); a swarm host clears it
-        # and attaches the map itself, per peer
+        # ``mask.reference_grad_code_bits``: the transform code of the gradient this stage sends back (a map of rank
+        # 0, uncentred), and the codes it was sent for the gradient it receives
+        self.gcode_out: ResidualMap | None = None
+        self.gcode_in: MapStore | None = None
+        # whether forward() ships a new map (backward() a new gradient code) with its next payload (the mesh: one
+        # receiver); a swarm host clears it and attaches them itself, per peer
         self.ship_maps = True
 
     # ------------------------------------------------------------------------------------------
@@ -178,6 +183,35 @@ class StageWorker:
             raise StageError(f"stage {self.index}: {exc}") from None
         except KeyError as exc:
             raise StageError(f"stage {self.index}: {exc.args[0]}") from None
+
+    def _grad_code(self, hidden: int) -> ResidualMap | None:
+        """The transform code of the gradient this stage sends back (``mask.reference_grad_code_bits``), or None."""
+        bits = self.cfg.mask.reference_grad_code_bits
+        if bits and self.gcode_out is None:
+            try:
+                self.gcode_out = ResidualMap(hidden, 0, code_bits=bits, centre=False)
+            except ValueError as exc:
+                raise StageError(f"stage {self.index}: {exc}") from None
+        return self.gcode_out
+
+    def _take_grad_code(self, payload: EncodedPayload, ref: ReferenceModel | None
+                        ) -> tuple[EncodedPayload, MapFit | None]:
+        """The codec's part of an incoming gradient payload and the transform code it names (None: none)."""
+        if MAP_META not in payload.meta and not any(k in payload.tensors for k in MAP_TENSORS + CODE_TENSORS):
+            return payload, None
+        bits = self.cfg.mask.reference_grad_code_bits
+        if ref is None or not bits:
+            raise StageError(f"stage {self.index}: the gradient names a transform code, which this boundary does not "
+                             "use")
+        if self.gcode_in is None:
+            self.gcode_in = MapStore(payload.shape[-1], 0, code_bits=bits)
+        try:
+            payload, key = self.gcode_in.take(payload)
+            return payload, None if key is None else self.gcode_in.get(key)
+        except PayloadError as exc:
+            raise StageError(f"stage {self.index}: {exc}") from None
+        except KeyError as exc:
+            raise StageError(f"stage {self.index}: gradient {exc.args[0]}") from None
 
     def _ref_key(self, mb: MicrobatchId) -> tuple:
         return (self.replica, mb)
@@ -283,7 +317,10 @@ class StageWorker:
         else:
             if grad is None:
                 raise StageError(f"stage {self.index}: backward needs a gradient payload")
-            g = codec.decode_grad(grad, state.ctx_out)  # (B, T, H)
+            grad, gfit = self._take_grad_code(grad, ref)
+            # the gradient's own transform (or none), never the forward's that the same context carried
+            ctx = dataclasses.replace(state.ctx_out, transform=gfit.transform if gfit is not None else None)
+            g = codec.decode_grad(grad, ctx)  # (B, T, H)
             if g.shape != state.outputs.shape:
                 raise StageError(
                     f"stage {self.index}: gradient shape {tuple(g.shape)} != {tuple(state.outputs.shape)}"
@@ -297,10 +334,17 @@ class StageWorker:
         if self.is_first:
             return None
         g_in = state.inputs.grad
+        gcode = None
         if ref is not None:
             g_in = g_in.float() - ref.input_grad(self._ref_key(mb), state.ids, self.index - 1,
                                                  state.inputs.detach(), scale)
-        payload = codec.encode_grad(g_in, state.ctx_in)
+            gcode = self._grad_code(g_in.shape[-1])
+        # the gradient's own transform code (or none): never the forward's, which the same exchange's context holds
+        ctx = dataclasses.replace(state.ctx_in, transform=gcode.transform if gcode is not None else None)
+        payload = codec.encode_grad(g_in, ctx)
+        if gcode is not None:
+            gcode.observe(None, g_in)
+            payload = gcode.attach(payload, None if self.ship_maps else False)
         self.counter.add(self._axis("pp_bwd"), payload_bytes(payload))
         return payload
 
@@ -330,12 +374,14 @@ class StageWorker:
                 self.noise.reset()
             raise
         self.zero_grad()
-        if self.map_out is not None and (step + 1) % self.cfg.mask.reference_map_period == 0:
-            try:  # after the step: a failed fit keeps the current map and never costs the step
-                self.map_out.refit()
-            except Exception:
-                logger.exception("stage %d: residual map refit failed; keeping map %d", self.index,
-                                 self.map_out.version)
+        if (step + 1) % self.cfg.mask.reference_map_period == 0:
+            for what, fit in (("residual map", self.map_out), ("gradient code", self.gcode_out)):
+                if fit is None:
+                    continue
+                try:  # after the step: a failed fit keeps the current one and never costs the step
+                    fit.refit()
+                except Exception:
+                    logger.exception("stage %d: %s refit failed; keeping version %d", self.index, what, fit.version)
         stats = {
             "loss": self.step_stats.loss_sum / max(1, self.step_stats.microbatches),
             "tokens": self.step_stats.tokens,
