@@ -127,16 +127,23 @@ def grad_side(st, frozen, fit_batches, evals, b: int, ridge: float) -> dict:
     return res
 
 
+@torch.no_grad()
+def fit_pairs(st, frozen, fit_batches, b: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(h_ref, r = h - h_ref) at boundary ``b`` for each of the fit batches."""
+    fx, fr = [], []
+    for ids in fit_batches:
+        h_ref = run_stages(frozen, ids, 0, b + 1)
+        fx.append(h_ref)
+        fr.append(run_stages(st, ids, 0, b + 1) - h_ref)
+    return fx, fr
+
+
 def measure(st, frozen, fit_batches, evals, stale_maps, ridge, grad=False) -> tuple[dict, dict]:
     out, maps = {}, {}
     n = len(st)
     for b in range(n - 1):
         with torch.no_grad():
-            fx, fr = [], []
-            for ids in fit_batches:
-                h_ref = run_stages(frozen, ids, 0, b + 1)
-                fx.append(h_ref)
-                fr.append(run_stages(st, ids, 0, b + 1) - h_ref)
+            fx, fr = fit_pairs(st, frozen, fit_batches, b)
             a_full = fit_map(fx, fr, ridge)
             maps[b] = a_full
             a_k = {k: low_rank(a_full, fx, k) for k in RANKS}
@@ -184,17 +191,23 @@ def measure(st, frozen, fit_batches, evals, stale_maps, ridge, grad=False) -> tu
     return out, maps
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def fit_probe_args(doc: str, grad_help: str, stale: bool = False) -> argparse.Namespace:
+    """The command line shared by the probes that fit on recent training batches and test on held-out ones."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--at", default="30,60", help="steps at which to measure (comma-separated)")
-    ap.add_argument("--stale", type=int, default=10, help="also test the map fitted this many steps earlier")
+    if stale:
+        ap.add_argument("--stale", type=int, default=10, help="also test the map fitted this many steps earlier")
     ap.add_argument("--fit-batches", type=int, default=8)
     ap.add_argument("--eval-batches", type=int, default=2)
     ap.add_argument("--ridge", type=float, default=1e-2)
-    ap.add_argument("--grad", action="store_true", help="also the gradient going back (a map from g_ref)")
+    ap.add_argument("--grad", action="store_true", help=grad_help)
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = fit_probe_args(__doc__, "also the gradient going back (a map from g_ref)", stale=True)
     at = sorted({int(s) for s in args.at.split(",") if int(s) <= args.steps})
     fit_at = sorted(set(at) | {s - args.stale for s in at if s - args.stale >= 0})
     run = DenseProbeRun(args.steps, args.eval_batches)

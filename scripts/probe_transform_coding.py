@@ -32,7 +32,6 @@ and at ``--at`` steps, per boundary:
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -41,7 +40,7 @@ from meshnode.compression import RotQuantCodec
 from meshnode.compression.rotquant import GAUSS_STEP
 from meshnode.stage import causal_lm_loss
 from probe_reference_coding import DenseProbeRun, boundary_grad, run_stages, save_record
-from probe_residual_predictor import centre, fit_map, low_rank, subsample_code
+from probe_residual_predictor import centre, fit_map, fit_pairs, fit_probe_args, low_rank, subsample_code
 
 BUDGETS = (576, 288, 144)  # bits per token
 TOPK = (16, 64, 144, 288)
@@ -107,12 +106,8 @@ def code_resid(tc: TransformCode, lmat, linv, r: torch.Tensor) -> torch.Tensor:
 
 def fwd_side(st, frozen, fit_batches, evals, b: int, ridge: float) -> dict:
     n = len(st)
+    fx, fr = fit_pairs(st, frozen, fit_batches, b)
     with torch.no_grad():
-        fx, fr = [], []
-        for ids in fit_batches:
-            h_ref = run_stages(frozen, ids, 0, b + 1)
-            fx.append(h_ref)
-            fr.append(run_stages(st, ids, 0, b + 1) - h_ref)
         map64 = low_rank(fit_map(fx, fr, ridge), fx, 64)
     fg = [boundary_grad(st, run_stages(st, ids, 0, b + 1).detach(), ids, b) for ids in fit_batches]
     metrics = {"plain": sqrt_metric(None, fx[0].shape[-1]), "fisher": sqrt_metric(fg, fx[0].shape[-1])}
@@ -197,15 +192,7 @@ def grad_side(st, frozen, fit_batches, evals, b: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--at", default="30,60", help="steps at which to measure (comma-separated)")
-    ap.add_argument("--fit-batches", type=int, default=8)
-    ap.add_argument("--eval-batches", type=int, default=2)
-    ap.add_argument("--ridge", type=float, default=1e-2)
-    ap.add_argument("--grad", action="store_true", help="also the gradient going back")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = fit_probe_args(__doc__, "also the gradient going back")
     at = sorted({int(s) for s in args.at.split(",") if int(s) <= args.steps})
     run = DenseProbeRun(args.steps, args.eval_batches)
     rec: dict = {"steps": {}, "train_loss": []}

@@ -36,6 +36,15 @@ receiver's: it keeps the maps it was sent, by sender and version, and adds the s
 coded against a map names it (``meta["ref_map"] = [sender, version]``); a receiver that lacks it refuses the
 microbatch. In the mesh a map goes out once, with the next payload; in the swarm the sending host attaches it
 to the first payload for each peer it calls (``meshnode.node.host``), again after a refusal.
+
+**The transform codes** (``mask.reference_code_bits`` R, ``mask.reference_grad_code_bits`` G). What the map leaves of
+the residual is not isotropic either: ``scripts/probe_transform_coding.py`` found half its (per-token normalised)
+energy in 64 of 576 directions. With R > 0 each fit of the map also fits a transform code of R bits per token for
+it (:mod:`meshnode.compression.transform`: the eigenvectors of its second moment, bits by variance), which travels
+with the map and replaces the rotated code of the activation (R = 288 is half a bit per coordinate). With G > 0 the
+gradient's sender (the later stage) keeps a :class:`ResidualMap` of rank 0 for ``g - g_ref`` (uncentred) and ships
+its code with its gradients: in the mesh once per fit, in the swarm with the reply to a caller whose request does
+not list it among the codes it holds (``held_codes``), so a caller that restarted gets it again.
 """
 
 from __future__ import annotations

@@ -167,22 +167,32 @@ class StageWorker:
 
     def _take_map(self, payload: EncodedPayload, ref: ReferenceModel | None
                   ) -> tuple[EncodedPayload, MapFit | None]:
-        """The codec's part of an incoming payload and the residual map it was coded against (None: none),
-        storing a map that travels with it."""
+        """The codec's part of an incoming activation payload and the residual map it was coded against (None:
+        none), storing a map that travels with it."""
+        m = self.cfg.mask
+        return self._take_fit(payload, ref, "map_in", m.reference_map_rank, m.reference_code_bits, "residual map")
+
+    def _take_grad_code(self, payload: EncodedPayload, ref: ReferenceModel | None
+                        ) -> tuple[EncodedPayload, MapFit | None]:
+        """The codec's part of an incoming gradient payload and the transform code it names (None: none)."""
+        return self._take_fit(payload, ref, "gcode_in", 0, self.cfg.mask.reference_grad_code_bits, "gradient code")
+
+    def _take_fit(self, payload: EncodedPayload, ref: ReferenceModel | None, store: str, rank: int, bits: int,
+                  what: str) -> tuple[EncodedPayload, MapFit | None]:
         if MAP_META not in payload.meta and not any(k in payload.tensors for k in MAP_TENSORS + CODE_TENSORS):
             return payload, None
-        m = self.cfg.mask
-        if ref is None or not (m.reference_map_rank or m.reference_code_bits):
-            raise StageError(f"stage {self.index}: the payload names a residual map, which this boundary does not use")
-        if self.map_in is None:
-            self.map_in = MapStore(payload.shape[-1], m.reference_map_rank, code_bits=m.reference_code_bits)
+        if ref is None or not (rank or bits):
+            raise StageError(f"stage {self.index}: the payload names a {what}, which this boundary does not use")
+        if getattr(self, store) is None:
+            setattr(self, store, MapStore(payload.shape[-1], rank, code_bits=bits))
+        held: MapStore = getattr(self, store)
         try:
-            payload, key = self.map_in.take(payload)
-            return payload, None if key is None else self.map_in.get(key)
+            payload, key = held.take(payload)
+            return payload, None if key is None else held.get(key)
         except PayloadError as exc:
             raise StageError(f"stage {self.index}: {exc}") from None
         except KeyError as exc:
-            raise StageError(f"stage {self.index}: {exc.args[0]}") from None
+            raise StageError(f"stage {self.index}: {what}: {exc.args[0]}") from None
 
     def _grad_code(self, hidden: int) -> ResidualMap | None:
         """The transform code of the gradient this stage sends back (``mask.reference_grad_code_bits``), or None."""
@@ -193,25 +203,6 @@ class StageWorker:
             except ValueError as exc:
                 raise StageError(f"stage {self.index}: {exc}") from None
         return self.gcode_out
-
-    def _take_grad_code(self, payload: EncodedPayload, ref: ReferenceModel | None
-                        ) -> tuple[EncodedPayload, MapFit | None]:
-        """The codec's part of an incoming gradient payload and the transform code it names (None: none)."""
-        if MAP_META not in payload.meta and not any(k in payload.tensors for k in MAP_TENSORS + CODE_TENSORS):
-            return payload, None
-        bits = self.cfg.mask.reference_grad_code_bits
-        if ref is None or not bits:
-            raise StageError(f"stage {self.index}: the gradient names a transform code, which this boundary does not "
-                             "use")
-        if self.gcode_in is None:
-            self.gcode_in = MapStore(payload.shape[-1], 0, code_bits=bits)
-        try:
-            payload, key = self.gcode_in.take(payload)
-            return payload, None if key is None else self.gcode_in.get(key)
-        except PayloadError as exc:
-            raise StageError(f"stage {self.index}: {exc}") from None
-        except KeyError as exc:
-            raise StageError(f"stage {self.index}: gradient {exc.args[0]}") from None
 
     def _ref_key(self, mb: MicrobatchId) -> tuple:
         return (self.replica, mb)
@@ -379,7 +370,11 @@ class StageWorker:
                 if fit is None:
                     continue
                 try:  # after the step: a failed fit keeps the current one and never costs the step
-                    fit.refit()
+                    if fit.refit():
+                        tf = fit.transform
+                        logger.info("stage %d: %s version %d fitted (%d bytes to send%s)", self.index, what,
+                                    fit.version, fit.current.nbytes(),
+                                    f"; code of {tf.code_bits} bits on {tf.basis.shape[1]} directions" if tf else "")
                 except Exception:
                     logger.exception("stage %d: %s refit failed; keeping version %d", self.index, what, fit.version)
         stats = {
