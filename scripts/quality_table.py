@@ -144,7 +144,8 @@ VARIANTS: dict[str, list[str]] = {
     **{f"rotq1_refmap64_tc{r}_p10": [*REFMAP64_P10, f"mask.reference_code_bits={r}"] for r in (576, 288, 144)},
     # and the gradient going back in a transform code of G bits per token too (fitted by the later stage)
     **{f"rotq1_refmap64_tc{r}_g{g}_p10": [*REFMAP64_P10, f"mask.reference_code_bits={r}",
-                                          f"mask.reference_grad_code_bits={g}"] for r, g in ((288, 288), (144, 288))},
+                                          f"mask.reference_grad_code_bits={g}"]
+       for r, g in ((288, 288), (144, 288), (288, 144))},
     # where dense_dp's loss comes from (same tokens; each variant moves one thing from dense towards dense_dp):
     # half as many optimizer steps of twice the batch (what any X = 2 data parallelism does to a fixed budget),
     # the replicas' weights averaged exactly after every step, exactly every H = 10 steps through the DiLoCo

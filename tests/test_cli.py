@@ -83,7 +83,8 @@ def test_demo_methods_make_valid_configs_and_unknown_ones_fail(cache_dir):
         elif method.startswith("rotq1refmap"):
             assert (cfg.mask.codec, cfg.mask.bits, cfg.mask.reference) == ("rotq", 1, "both")
             assert (cfg.mask.reference_map_rank, cfg.mask.reference_map_period) == (8, 10)
-            assert cfg.mask.reference_code_bits == (32 if method == "rotq1refmaptc" else 0)
+            assert cfg.mask.reference_code_bits == cfg.mask.reference_grad_code_bits == (
+                32 if method == "rotq1refmaptc" else 0)
         elif method.startswith("rotq"):
             assert cfg.mask.codec == "rotq" and cfg.mask.rotq_weight == "norm_std"
             assert (cfg.mask.bits, cfg.mask.grad_bits) == rotq_bits[method]

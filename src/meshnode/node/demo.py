@@ -94,9 +94,9 @@ def method_overrides(method: str, *, tiny: bool, dp_peers: int, anchor: bool, an
     boundary coded as its change from the frozen pretrained model's: ``mask.reference = both``, every peer holds
     the whole pretrained model), ``rotq1refmap`` (1 bit both ways against the reference, with the residual map:
     ``mask.reference_map_rank``, rank 64 refitted every 10 steps, 8 on the tiny model), ``rotq1refmaptc`` (the
-    same, the activations in a transform code fitted with the map: ``mask.reference_code_bits``, half a bit per
-    coordinate: 288 bits a token, 32 on the tiny model); with DP when
-    ``dp_peers > 1`` (then the
+    same, with the activations and the gradients in fitted transform codes of half a bit per coordinate:
+    ``mask.reference_code_bits`` and ``mask.reference_grad_code_bits`` 288 bits a token, 32 on the tiny model);
+    with DP when ``dp_peers > 1`` (then the
     anchor takes its weights from the DP log: ``anchor.snapshot = dp``)."""
     if method not in DEMO_METHODS:
         raise ValueError(f"unknown demo method {method!r} (one of {', '.join(DEMO_METHODS)})")
@@ -108,7 +108,8 @@ def method_overrides(method: str, *, tiny: bool, dp_peers: int, anchor: bool, an
         out = ["mask.codec=rotq", "mask.bits=1", "mask.reference=both", f"mask.reference_map_rank={8 if tiny else 64}",
                "mask.reference_map_period=10"]
         if method.endswith("tc"):
-            out.append(f"mask.reference_code_bits={32 if tiny else 288}")
+            bits = 32 if tiny else 288
+            out += [f"mask.reference_code_bits={bits}", f"mask.reference_grad_code_bits={bits}"]
     elif method.startswith("rotq"):
         bits, _, grad_bits = method[4:].partition("g")
         out = ["mask.codec=rotq", f"mask.bits={bits}", "mask.rotq_weight=norm_std"]
