@@ -89,6 +89,8 @@ def test_a_malformed_transform_is_refused():
         "nan": (dataclasses.replace(tf, basis=torch.full_like(tf.basis, float("nan"))), H),
         "dtype": (dataclasses.replace(tf, basis=tf.basis.float()), H),
         "length": (dataclasses.replace(tf, scale=tf.scale[:-1]), H),
+        "huge scale": (dataclasses.replace(tf, scale=tf.scale * 1e6), H),
+        "not unit": (dataclasses.replace(tf, basis=(tf.basis.float() * 1e6).to(tf.basis.dtype)), H),
     }
     for what, (t, h) in bad.items():
         with pytest.raises(ValueError):
@@ -110,6 +112,11 @@ def test_the_codec_needs_the_transform_its_payload_was_coded_in():
     other = fit_transform(normalised_second_moment(x.reshape(-1, H)), 48)
     with pytest.raises(PayloadError, match="40-bit"):
         codec.decode(p, BoundaryContext(transform=other))
+    for bad in (float("inf"), float("nan"), -1.0):
+        rms = p.tensors["rms"].clone()
+        rms[0, 0] = bad
+        with pytest.raises(PayloadError, match="rms"):
+            codec.decode(dataclasses.replace(p, tensors={**p.tensors, "rms": rms}), BoundaryContext(transform=tf))
     short = dataclasses.replace(p, tensors={**p.tensors, "codes": p.tensors["codes"][..., :4]})
     with pytest.raises(PayloadError):
         codec.decode(short, BoundaryContext(transform=tf))

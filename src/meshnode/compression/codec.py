@@ -704,7 +704,7 @@ class RotQuantCodec(_SameBothWays):
             specs["mean"] = ((h,), self.wire_dtype)
         self._tensors(payload, specs)
         p = payload.tensors
-        if not bool((p["rms"] >= 0).all()):
+        if not (bool((p["rms"] >= 0).all()) and bool(torch.isfinite(p["rms"]).all())):
             raise PayloadError("payload tensor 'rms' has negative or non-finite values")
         y = tc_decode(p["codes"], p["rms"].float(), tf)
         if centred:
@@ -769,8 +769,8 @@ class RotQuantCodec(_SameBothWays):
             specs["weight"] = ((h,), self.wire_dtype)
         self._tensors(payload, specs)
         p = payload.tensors
-        if bool((p["rms"] < 0).any()):
-            raise PayloadError("payload tensor 'rms' has negative values")
+        if not (bool((p["rms"] >= 0).all()) and bool(torch.isfinite(p["rms"]).all())):
+            raise PayloadError("payload tensor 'rms' has negative or non-finite values")
         if weighted:
             w = p["weight"].float()
             if bool(((w < 1.0 / ROTQ_WEIGHT_RANGE * 0.99) | (w > ROTQ_WEIGHT_RANGE * 1.01)).any()):

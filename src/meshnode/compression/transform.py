@@ -78,8 +78,11 @@ class Transform:
                 raise ValueError(f"transform {name} must have shape ({m},), got {tuple(t.shape)}")
         if not (bool(torch.isfinite(self.basis.float()).all()) and bool(torch.isfinite(self.scale).all())):
             raise ValueError("transform has non-finite values")
-        if bool((self.scale <= 0).any()):
-            raise ValueError("transform scales must be positive")
+        if bool((self.scale <= 0).any()) or bool((self.scale > 1.01 * hidden ** 0.5).any()):
+            raise ValueError(f"transform scales must be in (0, sqrt({hidden})] (the directions' variances sum to H)")
+        norms = self.basis.float().norm(dim=0)
+        if bool(((norms - 1).abs() > 0.02).any()):
+            raise ValueError("transform basis columns must have unit norm")
         if bool(((self.bits < 1) | (self.bits > MAX_CODE_BITS)).any()):
             raise ValueError(f"transform bits must be in 1..{MAX_CODE_BITS}")
 
