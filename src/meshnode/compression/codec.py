@@ -586,6 +586,12 @@ class QuantCodec(_SameBothWays):
     backward_nbytes = forward_nbytes
 
 
+def _check_scale(rms: Tensor) -> None:
+    """A payload's per-token scales must be finite and non-negative."""
+    if not (bool((rms >= 0).all()) and bool(torch.isfinite(rms).all())):
+        raise PayloadError("payload tensor 'rms' has negative or non-finite values")
+
+
 class RotQuantCodec(_SameBothWays):
     """Rotated low-bit quantisation (:mod:`.rotquant`): all H channels at ``bits`` bits, both directions.
 
@@ -704,8 +710,7 @@ class RotQuantCodec(_SameBothWays):
             specs["mean"] = ((h,), self.wire_dtype)
         self._tensors(payload, specs)
         p = payload.tensors
-        if not (bool((p["rms"] >= 0).all()) and bool(torch.isfinite(p["rms"]).all())):
-            raise PayloadError("payload tensor 'rms' has negative or non-finite values")
+        _check_scale(p["rms"])
         y = tc_decode(p["codes"], p["rms"].float(), tf)
         if centred:
             y = y + p["mean"].float()
@@ -769,8 +774,7 @@ class RotQuantCodec(_SameBothWays):
             specs["weight"] = ((h,), self.wire_dtype)
         self._tensors(payload, specs)
         p = payload.tensors
-        if not (bool((p["rms"] >= 0).all()) and bool(torch.isfinite(p["rms"]).all())):
-            raise PayloadError("payload tensor 'rms' has negative or non-finite values")
+        _check_scale(p["rms"])
         if weighted:
             w = p["weight"].float()
             if bool(((w < 1.0 / ROTQ_WEIGHT_RANGE * 0.99) | (w > ROTQ_WEIGHT_RANGE * 1.01)).any()):
