@@ -415,11 +415,7 @@ class StageHost:
 
     def _with_map(self, payload: EncodedPayload, key: tuple) -> EncodedPayload:
         """``payload`` carrying the residual map it names (its bytes count on the forward axis)."""
-        held = self.worker.map_out.history.get(key[1]) if self.worker.map_out is not None else None
-        if held is None:
-            raise StageError(f"residual map {key[1]} is no longer held")
-        self.worker.count("pp_fwd", held.nbytes())
-        return ResidualMap.with_map(payload, held)
+        return self._attach_fit(payload, self.worker.map_out, key, "pp_fwd", "residual map", StageError)
 
     def _with_grad_code(self, grad: EncodedPayload | None, held: set[tuple[int, int]]) -> EncodedPayload | None:
         """``grad`` carrying the gradient transform code it names when the caller does not hold it (its bytes count on
@@ -428,11 +424,17 @@ class StageHost:
         key = grad.meta.get(MAP_META) if grad is not None else None
         if key is None or code is None or tuple(key) in held:
             return grad
-        fit = code.history.get(key[1])
+        return self._attach_fit(grad, code, key, "pp_bwd", "gradient code", WireError)
+
+    def _attach_fit(self, payload: EncodedPayload, fits: ResidualMap | None, key, axis: str, what: str,
+                    error: type[Exception]) -> EncodedPayload:
+        """``payload`` carrying version ``key[1]`` of ``fits`` (its bytes counted on ``axis``); ``error`` if that
+        version is no longer held."""
+        fit = fits.history.get(key[1]) if fits is not None else None
         if fit is None:
-            raise WireError(f"gradient code {key[1]} is no longer held")
-        self.worker.count("pp_bwd", fit.nbytes())
-        return ResidualMap.with_map(grad, fit)
+            raise error(f"{what} {key[1]} is no longer held")
+        self.worker.count(axis, fit.nbytes())
+        return ResidualMap.with_map(payload, fit)
 
     # ---- the StageBackend surface ----------------------------------------------------------
 

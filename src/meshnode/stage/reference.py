@@ -286,20 +286,22 @@ class ResidualMap:
                 h_ref is not None and h_ref.shape != resid.shape):
             raise ValueError(f"residual map: h_ref {None if h_ref is None else tuple(h_ref.shape)} and residual "
                              f"{tuple(resid.shape)} must be (B, T, {self.hidden}) (h_ref None only without a map)")
-        r = (_centred_rows(resid) if self.centre else resid.detach().float().reshape(-1, self.hidden)).cpu().double()
-        x = _centred_rows(h_ref).cpu().double() if self.rank else r
+        # float32 products of one microbatch (on the hot path), summed over microbatches in float64
+        r = (_centred_rows(resid) if self.centre else resid.detach().float().reshape(-1, self.hidden)).cpu()
+        x = _centred_rows(h_ref).cpu() if self.rank else r
         if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(r).all())):
             return  # a non-finite microbatch teaches the map nothing (its payload is refused elsewhere)
         if self.rank:
-            self.xtx += x.T @ x
-            self.xtr += x.T @ r
+            self.xtx += (x.T @ x).double()
+            self.xtr += (x.T @ r).double()
         if self.code_bits:
             ms = r.square().mean(-1, keepdim=True)
             w = torch.where(ms > 0, 1.0 / ms, torch.zeros_like(ms))
-            self.wrr += (r * w).T @ r
+            self.wrr += ((r * w).T @ r).double()
             if self.rank:
-                self.wxx += (x * w).T @ x
-                self.wxr += (x * w).T @ r
+                wx = (x * w).T
+                self.wxx += (wx @ x).double()
+                self.wxr += (wx @ r).double()
         self.tokens += x.shape[0]
 
     def _fit_map(self, n: int, xtx: Tensor, xtr: Tensor) -> tuple[Tensor, Tensor] | None:
