@@ -64,6 +64,8 @@ X4 = ["dp.replicas=4", "train.batch_size=1", "train.microbatches=2"]
 
 REFMAP64_P10 = ["mask.codec=rotq", "mask.bits=1", "mask.reference=both", "mask.reference_map_rank=64",
                 "mask.reference_map_period=10"]
+# half a bit per coordinate forward and a quarter back (the twenty-second session's 38.9x row)
+TC288_G144 = [*REFMAP64_P10, "mask.reference_code_bits=288", "mask.reference_grad_code_bits=144"]
 VARIANTS: dict[str, list[str]] = {
     # the table the issue asks for
     "dense": [],
@@ -208,6 +210,10 @@ VARIANTS: dict[str, list[str]] = {
     # the whole system (the 4/1-bit codec + plain-average DP) at X = 4, with and without it (eighteenth session)
     "rotq4_ns_g1_dpavg_x4_mb2": [*ROTQ4_NS_G1, *DP, *X4],
     "rotq4_ns_g1_dpavg_x4_vc": [*ROTQ4_NS_G1, *DP, *X4, "dp.v_correction=true"],
+    # the whole system with the transform codes (twenty-third session): half a bit forward, a quarter back, and
+    # plain-average DP with dp.v_correction (each replica fits its own maps and codes); and with PowerSGD rank 4
+    "rotq1_refmap64_tc288_g144_p10_dpavg_vc": [*TC288_G144, *DP, *MB2, "dp.v_correction=true"],
+    "rotq1_refmap64_tc288_g144_p10_dpavg_vc_r4": [*TC288_G144, *DP, *MB2, "dp.v_correction=true", "dp.rank=4"],
 }
 TABLE = ["dense", "dense_dp", "m90", "m90_ap", "m95", "m95_ap", "m95_ap_dp", "topk", "int8"]
 
