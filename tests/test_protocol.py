@@ -87,6 +87,8 @@ def test_round_trip_dense_mask_rotq():
         (lambda r: r.update(held_codes=[[1, 2]] * 65), "held_codes"),
         (lambda r: (r["payload"]["tensors"].update(ref_code_scale=["float32", [33]]),
                     r["payload"]["data"].update(ref_code_scale=b"\x00" * 132)), "transform"),
+        (lambda r: (r["payload"]["tensors"].update(ref_map_u_step=["float32", [4, 4]]),
+                    r["payload"]["data"].update(ref_map_u_step=b"\x00" * 64)), "transform"),
     ],
 )
 def test_malformed_forward_is_refused(mutate, needle):

@@ -131,6 +131,9 @@ class MaskConfig:
     # the same for the gradient going back (``mask.reference = both``): its sender (the later stage) fits a transform
     # code of ``g - g_ref`` at the map's period and ships it with the gradients; 0 = off (rotq's ``grad_bits``)
     reference_grad_code_bits: int = 0
+    # the (H, k) matrices of a fit (the map's U and V, a transform code's basis) on the wire: 16 = bfloat16, 8 = int8
+    # with a float32 step per column (about half a fit's bytes)
+    reference_fit_bits: int = 16
     topk_ratio: float = 0.1  # fraction of channels kept by the top-k baseline
     wire_dtype: str = "bfloat16"  # bfloat16 | float16 | float32
     version: int = 0
@@ -255,6 +258,7 @@ _CHOICES = {
     "mask.bits": (1, 2, 4),
     "mask.rotq_weight": ("none", "norm", "norm_std"),
     "mask.grad_bits": (0, 1, 2, 4),
+    "mask.reference_fit_bits": (16, 8),
     "mask.grad_weight": ("none", "std"),
     "mask.reference": ("none", "forward", "both"),
     "mask.wire_dtype": ("bfloat16", "float16", "float32"),
@@ -402,6 +406,10 @@ def _cross_check(cfg: RunConfig) -> None:
     if cfg.mask.reference_grad_code_bits and (cfg.mask.reference != "both" or cfg.mask.codec != "rotq"):
         raise ConfigError("mask.reference_grad_code_bits codes the gradient's reference residual by a fitted "
                           "transform: it needs mask.reference = both and mask.codec = rotq")
+    if cfg.mask.reference_fit_bits != 16 and not (cfg.mask.reference_map_rank or cfg.mask.reference_code_bits
+                                                  or cfg.mask.reference_grad_code_bits):
+        raise ConfigError("mask.reference_fit_bits sets how a residual map or transform code travels: it needs "
+                          "mask.reference_map_rank, mask.reference_code_bits or mask.reference_grad_code_bits")
     if cfg.anchor.enabled and cfg.anchor.snapshot == "dp" and not cfg.dp.enabled:
         raise ConfigError("anchor.snapshot: 'dp' needs dp.enabled = true (the anchor follows the DP all-reduce)")
     if cfg.dp.matchmaking_time >= cfg.dp.round_timeout:

@@ -7,6 +7,7 @@ No networking here (DESIGN.md section 2): ``stage/`` uses the codecs at its boun
 from .accounting import AXES, HEADER_BYTES, ByteCounter, payload_bytes, tensor_bytes
 from .codec import (
     REF_CODE_TENSORS,
+    REF_FIT_STEP_TENSORS,
     REF_MAP_META,
     REF_MAP_TENSORS,
     RESCALE_MODES,
@@ -41,7 +42,8 @@ from .rotquant import ROTQ_BITS, rotation, rotq_decode, rotq_encode, rotq_nbytes
 from .transform import Transform, fit_transform, normalised_second_moment, tc_decode, tc_encode
 
 __all__ = [
-    "AXES", "HEADER_BYTES", "REF_CODE_TENSORS", "REF_MAP_META", "REF_MAP_TENSORS", "RESCALE_MODES", "WIRE_DTYPES",
+    "AXES", "HEADER_BYTES", "REF_CODE_TENSORS", "REF_FIT_STEP_TENSORS", "REF_MAP_META", "REF_MAP_TENSORS",
+    "RESCALE_MODES", "WIRE_DTYPES",
     "BoundaryCodec", "BoundaryContext", "ByteCounter",
     "DenseCodec", "EncodedPayload", "MaskCodec", "MaskKey", "PayloadError", "PowerSGDState", "QuantCodec", "ROTQ_BITS",
     "RotQuantCodec", "rotation", "rotq_decode", "rotq_encode", "rotq_nbytes",

@@ -40,12 +40,14 @@ MAX_CODE_BITS = 4  # per direction
 TC_STEP = (0.0, 1.5956, 0.9957, 0.5860, 0.3352)
 TC_MSE = (1.0, 0.3634, 0.1188, 0.03744, 0.01154)
 BASIS_DTYPE = torch.bfloat16
+BASIS_DTYPES = (torch.bfloat16, torch.float32)  # as it travels in bfloat16, or decoded from 8 bits per column
 
 
 @dataclass(frozen=True)
 class Transform:
-    """A fitted transform code: ``basis`` (H, m) in bfloat16 (orthonormal columns, as rounded for the wire),
-    ``scale`` (m,) float32 (each direction's std in the normalised units), ``bits`` (m,) uint8 in 1..4."""
+    """A fitted transform code: ``basis`` (H, m) in bfloat16 (orthonormal columns, as rounded for the wire; or
+    float32, as decoded from 8 bits per value), ``scale`` (m,) float32 (each direction's std in the
+    normalised units), ``bits`` (m,) uint8 in 1..4."""
 
     basis: Tensor
     scale: Tensor
@@ -60,20 +62,16 @@ class Transform:
     def code_bytes(self) -> int:
         return (self.code_bits + 7) // 8
 
-    def wire_bytes(self) -> int:
-        """Bytes of the fit itself (basis, scales, bits)."""
-        return sum(t.numel() * t.element_size() for t in (self.basis, self.scale, self.bits))
-
     def check(self, hidden: int) -> None:
         """Raise ValueError unless this is a well-formed transform for ``hidden`` channels (a peer's payload)."""
         if self.basis.dim() != 2 or self.basis.shape[0] != hidden or not 1 <= self.basis.shape[1] <= hidden:
             raise ValueError(f"transform basis must be ({hidden}, m) with 1 <= m <= {hidden}, got "
                              f"{tuple(self.basis.shape)}")
         m = self.basis.shape[1]
-        for name, t, dt in (("basis", self.basis, BASIS_DTYPE), ("scale", self.scale, torch.float32),
-                            ("bits", self.bits, torch.uint8)):
-            if t.dtype != dt:
-                raise ValueError(f"transform {name} must be {dt}, got {t.dtype}")
+        for name, t, dts in (("basis", self.basis, BASIS_DTYPES), ("scale", self.scale, (torch.float32,)),
+                             ("bits", self.bits, (torch.uint8,))):
+            if t.dtype not in dts:
+                raise ValueError(f"transform {name} must be {' or '.join(map(str, dts))}, got {t.dtype}")
             if name != "basis" and tuple(t.shape) != (m,):
                 raise ValueError(f"transform {name} must have shape ({m},), got {tuple(t.shape)}")
         if not (bool(torch.isfinite(self.basis.float()).all()) and bool(torch.isfinite(self.scale).all())):
@@ -101,9 +99,10 @@ def allocate_bits(var: Tensor, budget: int) -> Tensor:
     return bits.reshape(n, MAX_CODE_BITS).sum(1)
 
 
-def fit_transform(second_moment: Tensor, budget: int) -> Transform:
+def fit_transform(second_moment: Tensor, budget: int, basis_dtype: torch.dtype = BASIS_DTYPE) -> Transform:
     """The transform code of ``budget`` bits per token for vectors whose per-token normalised second moment is
-    ``second_moment`` (H, H); its trace is taken as H (rescaled if not)."""
+    ``second_moment`` (H, H); its trace is taken as H (rescaled if not). The basis is rounded to ``basis_dtype``
+    (float32 for a caller that quantises it further)."""
     s = second_moment.double()
     h = s.shape[0]
     if s.shape != (h, h):
@@ -120,7 +119,7 @@ def fit_transform(second_moment: Tensor, budget: int) -> Transform:
     bits = allocate_bits(var, budget)
     keep = bits > 0
     floor = 1e-12 * float(var[0])
-    return Transform(basis=vecs[:, keep].to(BASIS_DTYPE), scale=var[keep].clamp_min(floor).sqrt().float(),
+    return Transform(basis=vecs[:, keep].to(basis_dtype), scale=var[keep].clamp_min(floor).sqrt().float(),
                      bits=bits[keep].to(torch.uint8))
 
 
@@ -172,5 +171,5 @@ def normalised_second_moment(rows: Tensor) -> Tensor:
     return (e * w).T @ e
 
 
-__all__ = ["BASIS_DTYPE", "MAX_CODE_BITS", "TC_MSE", "TC_STEP", "Transform", "allocate_bits", "fit_transform",
-           "normalised_second_moment", "tc_decode", "tc_encode"]
+__all__ = ["BASIS_DTYPE", "BASIS_DTYPES", "MAX_CODE_BITS", "TC_MSE", "TC_STEP", "Transform", "allocate_bits",
+           "fit_transform", "normalised_second_moment", "tc_decode", "tc_encode"]

@@ -27,7 +27,7 @@ import msgpack
 import torch
 from torch import Tensor
 
-from ..compression import REF_CODE_TENSORS, REF_MAP_TENSORS, EncodedPayload
+from ..compression import REF_CODE_TENSORS, REF_FIT_STEP_TENSORS, REF_MAP_TENSORS, EncodedPayload
 from .limits import MAX_META_BYTES, Limits
 
 PROTOCOL_VERSION = 1
@@ -42,7 +42,9 @@ TENSOR_DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32, "uint16": torch.uint16,
 }
 LABEL_DTYPES = ("uint16", "int32")
-MAX_TENSORS = 9  # a payload's own (at most 4), a residual map's two and its transform code's three
+# a payload's own (at most 4), a residual map's two and its transform code's three, and with 8-bit fits (int8
+# matrices) the three matrices' steps per column
+MAX_TENSORS = 12
 
 
 class WireError(ValueError):
@@ -181,7 +183,8 @@ def payload_from_wire(body: Any, limits: Limits, kind: str) -> EncodedPayload:
         if name in REF_MAP_TENSORS or name == REF_CODE_TENSORS[0]:  # residual map, transform basis: (H, k), k <= H
             if tt.dim() != 2 or tt.shape[0] != h or tt.shape[1] > h:
                 raise WireError(f"tensor {name!r} of shape {list(tt.shape)} is not a residual map ({h}, k <= {h})")
-        elif name in REF_CODE_TENSORS:  # the transform's scales and bits: (m,), m <= H
+        elif name in REF_CODE_TENSORS or name in REF_FIT_STEP_TENSORS:  # (m,), m <= H: the transform's scales and
+            # bits, an 8-bit matrix's steps
             if tt.dim() != 1 or tt.shape[0] > h:
                 raise WireError(f"tensor {name!r} of shape {list(tt.shape)} is not a transform's (m <= {h},)")
         elif not per_channel and (

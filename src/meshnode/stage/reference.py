@@ -59,7 +59,16 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 from torch import Tensor
 
-from ..compression import REF_CODE_TENSORS, REF_MAP_META, REF_MAP_TENSORS, EncodedPayload, PayloadError, Transform
+from ..compression import (
+    REF_CODE_TENSORS,
+    REF_FIT_STEP_TENSORS,
+    REF_MAP_META,
+    REF_MAP_TENSORS,
+    EncodedPayload,
+    PayloadError,
+    Transform,
+)
+from ..compression.quant import dequantize_absmax, quantize_absmax
 from ..compression.transform import MAX_CODE_BITS, fit_transform
 
 REFERENCE_MODES = ("none", "forward", "both")
@@ -172,7 +181,12 @@ def peer_passes(stage: int, num_stages: int, mode: str) -> tuple[int, int]:
 MAP_META = REF_MAP_META  # payload meta: [sender, version] of the map the residual was coded against
 MAP_TENSORS = REF_MAP_TENSORS  # payload tensors: the map itself, (H, k) each, once per version and receiver
 CODE_TENSORS = REF_CODE_TENSORS  # payload tensors: the transform code fitted with it (mask.reference_code_bits)
+# mask.reference_fit_bits = 8: the (H, k) matrices of a fit (U, V, the basis) as int8, and these: a float32 step per
+# column
+STEP_TENSORS = REF_FIT_STEP_TENSORS
+MATRIX_TENSORS = (*MAP_TENSORS, CODE_TENSORS[0])  # the fit's (H, k) matrices, in STEP_TENSORS' order
 MAP_DTYPE = torch.bfloat16
+FIT_BITS = (16, 8)  # mask.reference_fit_bits: the fit's matrices in bfloat16, or 8 bits per value
 MAX_MAP_SENDERS = 16  # senders whose maps a receiver keeps (the least recently used go first)
 
 
@@ -184,14 +198,37 @@ class MapFit:
     u: Tensor | None
     v: Tensor | None
     transform: Transform | None = None
+    # what travels when it is not the tensors above (8-bit matrices: their codes and steps; u, v and the basis are
+    # then the float32 values both ends decode from them)
+    wire: dict[str, Tensor] | None = dataclasses.field(default=None, compare=False)
 
     def tensors(self) -> dict[str, Tensor]:
         """What travels: the map's and the transform's tensors, by payload name."""
+        if self.wire is not None:
+            return dict(self.wire)
         out = {} if self.u is None else {MAP_TENSORS[0]: self.u, MAP_TENSORS[1]: self.v}
         if self.transform is not None:
             tf = self.transform
             out.update(zip(CODE_TENSORS, (tf.basis, tf.scale, tf.bits)))
         return out
+
+    @classmethod
+    def eight_bit(cls, u: Tensor | None, v: Tensor | None, transform: Transform | None) -> MapFit:
+        """This fit with its (H, k) matrices (U, V, the transform's basis) in 8 bits per value, one float32 step
+        per column (``mask.reference_fit_bits = 8``): the values the sender uses are those the receiver decodes."""
+        mats = {MAP_TENSORS[0]: u, MAP_TENSORS[1]: v, CODE_TENSORS[0]: None if transform is None else transform.basis}
+        wire: dict[str, Tensor] = {}
+        dec: dict[str, Tensor] = {}
+        for name, step_name in zip(MATRIX_TENSORS, STEP_TENSORS):
+            if mats[name] is None:
+                continue
+            q, step = quantize_absmax(mats[name].T, 8)  # a row of x.T is a column of x
+            wire[name], wire[step_name] = q.T.contiguous(), step
+            dec[name] = _decode_columns(wire[name], step)
+        if transform is not None:
+            transform = dataclasses.replace(transform, basis=dec[CODE_TENSORS[0]])
+            wire.update(zip(CODE_TENSORS[1:], (transform.scale, transform.bits)))
+        return cls(dec.get(MAP_TENSORS[0]), dec.get(MAP_TENSORS[1]), transform, wire)
 
     def nbytes(self) -> int:
         """Wire bytes of this fit when it travels."""
@@ -202,6 +239,11 @@ class MapFit:
         if self.u is None:
             return torch.zeros_like(h_ref, dtype=torch.float32)
         return apply_map(h_ref, self.u.to(h_ref.device), self.v.to(h_ref.device))
+
+
+def _decode_columns(q: Tensor, step: Tensor) -> Tensor:
+    """float32 (n, k) from int8 codes (n, k) and a step per column (k,)."""
+    return dequantize_absmax(q.T, step, 8, q.shape[0]).T.contiguous()
 
 
 def _centred_rows(x: Tensor) -> Tensor:
@@ -229,11 +271,12 @@ class ResidualMap:
     (:mod:`meshnode.compression.transform`) for what the new map leaves of the residual, fitted from the
     per-token normalised second moment of ``r - centre(h_ref) U V^T`` over the same microbatches (computed
     exactly for the new map from weighted statistics: each token weighted by 1 / its residual's mean square).
-    ``rank`` may then be 0 (no map, only the code).
+    ``rank`` may then be 0 (no map, only the code). ``fit_bits`` 8 sends the (H, k) matrices of a fit in 8 bits
+    per value (:meth:`MapFit.eight_bit`) instead of bfloat16: about half the bytes.
     """
 
     def __init__(self, hidden: int, rank: int, ridge: float = 1e-2, sender: int | None = None, code_bits: int = 0,
-                 centre: bool = True):
+                 centre: bool = True, fit_bits: int = 16):
         if rank and not centre:
             raise ValueError("a residual map predicts a centred residual: rank > 0 needs centre")
         if not 0 <= rank <= hidden or not (rank or code_bits):
@@ -241,7 +284,10 @@ class ResidualMap:
         if not 0 <= code_bits <= MAX_CODE_BITS * hidden:
             raise ValueError(f"mask.reference_code_bits must be in [0, {MAX_CODE_BITS * hidden}] for {hidden} "
                              f"channels, got {code_bits}")
+        if fit_bits not in FIT_BITS:
+            raise ValueError(f"mask.reference_fit_bits must be one of {FIT_BITS}, got {fit_bits}")
         self.hidden, self.rank, self.ridge, self.code_bits = int(hidden), int(rank), float(ridge), int(code_bits)
+        self.fit_bits = int(fit_bits)
         self.centre = bool(centre)  # whether what is coded is centred per microbatch (activations; not gradients)
         # names this sender's maps apart from those of other peers of its stage (a receiver may serve several)
         self.sender = int(sender) if sender is not None else secrets.randbits(31)
@@ -319,6 +365,9 @@ class ResidualMap:
         u = a @ v
         if not (bool(torch.isfinite(u).all()) and bool(torch.isfinite(v).all())):
             return None
+        if self.fit_bits == 8:  # as both ends will decode them from 8 bits
+            fit = MapFit.eight_bit(u, v, None)
+            return fit.u, fit.v
         return u.to(MAP_DTYPE), v.to(MAP_DTYPE)  # rounded as they travel; both ends use these
 
     @torch.no_grad()
@@ -342,11 +391,11 @@ class ResidualMap:
                 cross = a.T @ wxr
                 s = wrr - cross - cross.T + a.T @ wxx @ a
             try:
-                tf = fit_transform(s, self.code_bits)
+                tf = fit_transform(s, self.code_bits, MAP_DTYPE if self.fit_bits == 16 else torch.float32)
             except (ValueError, torch.linalg.LinAlgError):
                 return False
         self.version += 1
-        self.history[self.version] = MapFit(u, v, tf)
+        self.history[self.version] = MapFit(u, v, tf) if self.fit_bits == 16 else MapFit.eight_bit(u, v, tf)
         while len(self.history) > 2:
             self.history.popitem(last=False)
         self.shipped = False
@@ -377,15 +426,18 @@ class MapStore:
     """The receiver's side of the residual map of one boundary: the maps it was sent, by (sender, version): the
     last ``keep`` versions of each of the last :data:`MAX_MAP_SENDERS` senders."""
 
-    def __init__(self, hidden: int, rank: int, keep: int = 2, code_bits: int = 0):
+    def __init__(self, hidden: int, rank: int, keep: int = 2, code_bits: int = 0, fit_bits: int = 16):
+        if fit_bits not in FIT_BITS:
+            raise ValueError(f"mask.reference_fit_bits must be one of {FIT_BITS}, got {fit_bits}")
         self.hidden, self.rank, self.keep, self.code_bits = int(hidden), int(rank), int(keep), int(code_bits)
+        self.fit_bits = int(fit_bits)
         self.maps: OrderedDict[tuple[int, int], MapFit] = OrderedDict()
 
     def take(self, payload: EncodedPayload) -> tuple[EncodedPayload, tuple[int, int] | None]:
         """Split a payload into the codec's own part and the (sender, version) its residual was coded against
         (None: no map), storing a map that travels with it. Raises :class:`PayloadError` for a malformed one."""
         key = payload.meta.get(MAP_META)
-        names = MAP_TENSORS + CODE_TENSORS
+        names = MAP_TENSORS + CODE_TENSORS + STEP_TENSORS
         parts = {k: payload.tensors[k] for k in names if k in payload.tensors}
         if key is None:
             if parts:
@@ -402,21 +454,34 @@ class MapStore:
         return dataclasses.replace(payload, meta=meta, tensors=tensors), key
 
     def _fit_from(self, parts: dict[str, Tensor]) -> MapFit:
-        want = set(MAP_TENSORS if self.rank else ()) | set(CODE_TENSORS if self.code_bits else ())
+        mats = (MAP_TENSORS if self.rank else ()) + ((CODE_TENSORS[0],) if self.code_bits else ())
+        steps = tuple(STEP_TENSORS[MATRIX_TENSORS.index(n)] for n in mats) if self.fit_bits == 8 else ()
+        want = set(mats) | set(CODE_TENSORS if self.code_bits else ()) | set(steps)
         if set(parts) != want:
             raise PayloadError(f"payload residual map must carry {sorted(want)}, got {sorted(parts)}")
-        u = v = tf = None
-        if self.rank:
-            for name in MAP_TENSORS:
-                t = parts[name]
-                if tuple(t.shape) != (self.hidden, self.rank) or t.dtype != MAP_DTYPE:
-                    raise PayloadError(f"payload map tensor {name!r} must be {(self.hidden, self.rank)} {MAP_DTYPE}, "
-                                       f"got {(tuple(t.shape), t.dtype)}")
+        dtype = MAP_DTYPE if self.fit_bits == 16 else torch.int8
+        dec: dict[str, Tensor] = {}
+        for name in mats:
+            t = parts[name]
+            cols = self.rank if name in MAP_TENSORS else t.shape[-1]
+            if t.dim() != 2 or tuple(t.shape) != (self.hidden, cols) or t.dtype != dtype:
+                raise PayloadError(f"payload fit tensor {name!r} must be {(self.hidden, cols)} {dtype}, got "
+                                   f"{(tuple(t.shape), t.dtype)}")
+            if self.fit_bits == 16:
                 if not bool(torch.isfinite(t).all()):
-                    raise PayloadError(f"payload map tensor {name!r} has non-finite values")
-            u, v = parts[MAP_TENSORS[0]], parts[MAP_TENSORS[1]]
+                    raise PayloadError(f"payload fit tensor {name!r} has non-finite values")
+                dec[name] = t
+                continue
+            step_name = STEP_TENSORS[MATRIX_TENSORS.index(name)]
+            step = parts[step_name]
+            if tuple(step.shape) != (cols,) or step.dtype != torch.float32 or not (
+                    bool(torch.isfinite(step).all()) and bool((step >= 0).all())):
+                raise PayloadError(f"payload fit tensor {step_name!r} must be ({cols},) float32, finite and >= 0")
+            dec[name] = _decode_columns(t, step)
+        u, v = (dec[MAP_TENSORS[0]], dec[MAP_TENSORS[1]]) if self.rank else (None, None)
+        tf = None
         if self.code_bits:
-            tf = Transform(*(parts[k] for k in CODE_TENSORS))
+            tf = Transform(dec[CODE_TENSORS[0]], *(parts[k] for k in CODE_TENSORS[1:]))
             try:
                 tf.check(self.hidden)
             except ValueError as exc:
@@ -424,7 +489,7 @@ class MapStore:
             if tf.code_bits != self.code_bits:
                 raise PayloadError(f"payload transform code has {tf.code_bits} bits per token, this boundary uses "
                                    f"{self.code_bits}")
-        return MapFit(u, v, tf)
+        return MapFit(u, v, tf, dict(parts) if self.fit_bits == 8 else None)
 
     def _store(self, key: tuple[int, int], fit: MapFit) -> None:
         self.maps[key] = fit
@@ -456,5 +521,5 @@ def map_bytes(hidden: int, rank: int) -> int:
     return 2 * hidden * rank * MAP_DTYPE.itemsize
 
 
-__all__ = ["CODE_TENSORS", "MAP_META", "MAP_TENSORS", "MAX_MAP_SENDERS", "REFERENCE_MODES", "MapFit", "MapStore",
-           "ReferenceModel", "ResidualMap", "apply_map", "map_bytes", "peer_passes", "peer_plan"]
+__all__ = ["CODE_TENSORS", "FIT_BITS", "MAP_META", "MAP_TENSORS", "MAX_MAP_SENDERS", "REFERENCE_MODES", "STEP_TENSORS",
+           "MapFit", "MapStore", "ReferenceModel", "ResidualMap", "apply_map", "map_bytes", "peer_passes", "peer_plan"]

@@ -38,7 +38,7 @@ from ..compression import (
 from ..config import RunConfig
 from ..model import StageModule
 from ..optim import MicrobatchNoise, SpectralAdamW
-from .reference import CODE_TENSORS, MAP_META, MAP_TENSORS, MapFit, MapStore, ReferenceModel, ResidualMap
+from .reference import CODE_TENSORS, MAP_META, MAP_TENSORS, STEP_TENSORS, MapFit, MapStore, ReferenceModel, ResidualMap
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,8 @@ class StageWorker:
         m = self.cfg.mask
         if (m.reference_map_rank or m.reference_code_bits) and self.map_out is None:
             try:
-                self.map_out = ResidualMap(hidden, m.reference_map_rank, code_bits=m.reference_code_bits)
+                self.map_out = ResidualMap(hidden, m.reference_map_rank, code_bits=m.reference_code_bits,
+                                           fit_bits=m.reference_fit_bits)
             except ValueError as exc:
                 raise StageError(f"stage {self.index}: {exc}") from None
         return self.map_out
@@ -179,12 +180,14 @@ class StageWorker:
 
     def _take_fit(self, payload: EncodedPayload, ref: ReferenceModel | None, store: str, rank: int, bits: int,
                   what: str) -> tuple[EncodedPayload, MapFit | None]:
-        if MAP_META not in payload.meta and not any(k in payload.tensors for k in MAP_TENSORS + CODE_TENSORS):
+        if MAP_META not in payload.meta and not any(k in payload.tensors for k in MAP_TENSORS + CODE_TENSORS
+                                                          + STEP_TENSORS):
             return payload, None
         if ref is None or not (rank or bits):
             raise StageError(f"stage {self.index}: the payload names a {what}, which this boundary does not use")
         if getattr(self, store) is None:
-            setattr(self, store, MapStore(payload.shape[-1], rank, code_bits=bits))
+            setattr(self, store, MapStore(payload.shape[-1], rank, code_bits=bits,
+                                          fit_bits=self.cfg.mask.reference_fit_bits))
         held: MapStore = getattr(self, store)
         try:
             payload, key = held.take(payload)
@@ -199,7 +202,8 @@ class StageWorker:
         bits = self.cfg.mask.reference_grad_code_bits
         if bits and self.gcode_out is None:
             try:
-                self.gcode_out = ResidualMap(hidden, 0, code_bits=bits, centre=False)
+                self.gcode_out = ResidualMap(hidden, 0, code_bits=bits, centre=False,
+                                             fit_bits=self.cfg.mask.reference_fit_bits)
             except ValueError as exc:
                 raise StageError(f"stage {self.index}: {exc}") from None
         return self.gcode_out
