@@ -278,18 +278,78 @@ def test_a_malformed_eight_bit_fit_is_refused(bad):
         MapStore(H, 4, code_bits=24, fit_bits=4)
 
 
+def test_a_fisher_weighted_code_spends_its_bits_where_the_loss_reads():
+    """``metric``: the code minimises the error weighted by M. With M = I it is the plain code; with an anisotropic
+    M its M-weighted error is well below the plain code's at the same bits (and its plain error above), and the
+    receiver, which gets only the unit basis and the scales, decodes what the sender's encoder coded."""
+    gen = torch.Generator().manual_seed(9)
+    x = _anisotropic(gen, 4096, decay=2.0)
+    s = normalised_second_moment(x)
+    plain = fit_transform(s, 40)
+    same = fit_transform(s, 40, metric=torch.eye(H))
+    assert torch.equal(same.bits, plain.bits)
+    torch.testing.assert_close(same.scale, plain.scale, rtol=1e-4, atol=0)
+    torch.testing.assert_close(same.basis.float().abs(), plain.basis.float().abs(), rtol=0, atol=1e-2)
+    # the loss reads a few directions unrelated to x's own: M = sum g g^T of gradients living there
+    q, _ = torch.linalg.qr(torch.randn(H, H, generator=gen, dtype=torch.float64))
+    g = torch.randn(2048, 4, generator=gen, dtype=torch.float64) @ q[:, :4].T * 10 + 0.1 * torch.randn(
+        2048, H, generator=gen, dtype=torch.float64)
+    metric = g.T @ g
+    fisher = fit_transform(s, 40, metric=metric)
+    assert fisher.encoder is not None and fisher.code_bits == 40
+    fisher.check(H, weighted=True)
+
+    def errors(tf):
+        codes, rms = tc_encode(x, tf)
+        e = (tc_decode(codes, rms, tf) - x).double()
+        return float(((e @ metric) * e).sum() / ((x.double() @ metric) * x.double()).sum()), float(
+            e.square().sum() / x.square().sum())
+
+    (wp, ep), (wf, ef) = errors(plain), errors(fisher)
+    print(f"Fisher-weighted error: plain code {wp:.3f}, fisher code {wf:.3f}; plain error {ep:.3f} vs {ef:.3f}")
+    assert wf < 0.7 * wp and ef > ep
+    # the receiver's copy: no encoder, the same decode
+    wire = dataclasses.replace(fisher, encoder=None)
+    codes, rms = tc_encode(x[:64], fisher)
+    assert torch.equal(tc_decode(codes, rms, wire), tc_decode(codes, rms, fisher))
+
+
+def test_the_sender_weights_its_code_by_the_gradients_it_received():
+    gen = torch.Generator().manual_seed(10)
+    m = ResidualMap(H, 4, code_bits=24, fisher=True)
+    noise = _anisotropic(gen, 4 * 64).reshape(4, 4, 16, H)
+    for i in range(4):
+        m.observe(torch.randn(4, 16, H, generator=gen), noise[i])
+    assert m.refit() and m.transform.encoder is None  # no gradient yet: the plain code
+    for i in range(4):
+        m.observe(torch.randn(4, 16, H, generator=gen), noise[i])
+        m.observe_grad(torch.randn(4, 16, H, generator=gen) * torch.linspace(0.01, 3, H))
+    m.observe_grad(torch.full((1, 2, H), float("nan")))  # skipped
+    assert m.grad_tokens == 4 * 64
+    assert m.refit() and m.transform.encoder is not None and m.grad_tokens == 0
+    sent = m.attach(RotQuantCodec(1).encode(torch.randn(2, 8, H), BoundaryContext(transform=m.transform)))
+    store = MapStore(H, 4, code_bits=24, fisher=True)
+    _, key = store.take(sent)
+    assert store.get(key).transform.encoder is None and torch.equal(store.get(key).transform.basis,
+                                                                      m.transform.basis)
+    plain = ResidualMap(H, 4, code_bits=24)
+    plain.observe_grad(torch.randn(1, 2, H))  # a plain code keeps no metric
+    assert plain.ggt is None
+
+
 CODED = ("train.eval_every=0", "model.stages=3", "train.lr=3e-4", "train.warmup_steps=0", "mask.codec=rotq",
          "mask.bits=1", "mask.reference=both", "mask.reference_map_rank=8", "mask.reference_map_period=2")
 
 
-@pytest.mark.parametrize("fit_bits", [16, 8])
-def test_in_the_mesh_the_code_halves_the_forward_bytes_and_both_ends_agree(tiny_cfg, cache_dir, fit_bits):
+@pytest.mark.parametrize("fit_bits, metric", [(16, "plain"), (8, "plain"), (16, "fisher")])
+def test_in_the_mesh_the_code_halves_the_forward_bytes_and_both_ends_agree(tiny_cfg, cache_dir, fit_bits, metric):
     """Tiny model (H = 64), 1-bit rotq against the reference with a rank-8 map: with a 32-bit transform code (half
     a bit per coordinate) the forward payloads after the first fit are about half as large, the gradients' are
-    unchanged, and the receiver decodes the input the sender expects (with the fits in bfloat16 or 8 bits)."""
+    unchanged, and the receiver decodes the input the sender expects (with the fits in bfloat16 or 8 bits, the
+    code plain or Fisher-weighted)."""
     rotq = MeshTrainer(tiny_cfg(*CODED, f"mask.reference_fit_bits={fit_bits}"), cache_dir)
-    coded = MeshTrainer(tiny_cfg(*CODED, "mask.reference_code_bits=32", f"mask.reference_fit_bits={fit_bits}"),
-                        cache_dir)
+    coded = MeshTrainer(tiny_cfg(*CODED, "mask.reference_code_bits=32", f"mask.reference_fit_bits={fit_bits}",
+                                 f"mask.reference_code_metric={metric}"), cache_dir)
     for _ in range(6):
         rotq.train_step()
         coded.train_step()
@@ -297,6 +357,7 @@ def test_in_the_mesh_the_code_halves_the_forward_bytes_and_both_ends_agree(tiny_
     assert b["pp_bwd"] == a["pp_bwd"]
     w0, w1 = coded.workers[0][0], coded.workers[0][1]
     assert w0.map_out.transform is not None and w0.map_out.transform.code_bits == 32
+    assert (w0.map_out.transform.encoder is not None) == (metric == "fisher")
     ids = coded.sources[0].batch(100)
     mb = MicrobatchId(100, 0)
     payload = w0.forward(mb, ids, labels=ids)
@@ -323,6 +384,9 @@ def test_config_refuses_a_code_without_rotq_and_a_reference(tiny_cfg):
         tiny_cfg("mask.codec=rotq", "mask.reference=both", "mask.reference_code_bits=32", "mask.reference_fit_bits=4")
     with pytest.raises(ConfigError, match="reference_fit_bits"):
         tiny_cfg("mask.codec=rotq", "mask.reference=both", "mask.reference_fit_bits=8")
+    with pytest.raises(ConfigError, match="reference_code_metric"):
+        tiny_cfg("mask.codec=rotq", "mask.reference=both", "mask.reference_map_rank=8",
+                 "mask.reference_code_metric=fisher")
 
 
 def test_in_the_mesh_the_gradient_code_halves_the_backward_bytes(tiny_cfg, cache_dir):

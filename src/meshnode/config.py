@@ -134,6 +134,9 @@ class MaskConfig:
     # the (H, k) matrices of a fit (the map's U and V, a transform code's basis) on the wire: 16 = bfloat16, 8 = int8
     # with a float32 step per column (about half a fit's bytes)
     reference_fit_bits: int = 16
+    # the activation's transform code minimises: "plain" the squared error, "fisher" the error weighted by the
+    # empirical Fisher of the boundary (sum g g^T of the gradients its sender receives)
+    reference_code_metric: str = "plain"
     topk_ratio: float = 0.1  # fraction of channels kept by the top-k baseline
     wire_dtype: str = "bfloat16"  # bfloat16 | float16 | float32
     version: int = 0
@@ -259,6 +262,7 @@ _CHOICES = {
     "mask.rotq_weight": ("none", "norm", "norm_std"),
     "mask.grad_bits": (0, 1, 2, 4),
     "mask.reference_fit_bits": (16, 8),
+    "mask.reference_code_metric": ("plain", "fisher"),
     "mask.grad_weight": ("none", "std"),
     "mask.reference": ("none", "forward", "both"),
     "mask.wire_dtype": ("bfloat16", "float16", "float32"),
@@ -410,6 +414,9 @@ def _cross_check(cfg: RunConfig) -> None:
                                                   or cfg.mask.reference_grad_code_bits):
         raise ConfigError("mask.reference_fit_bits sets how a residual map or transform code travels: it needs "
                           "mask.reference_map_rank, mask.reference_code_bits or mask.reference_grad_code_bits")
+    if cfg.mask.reference_code_metric != "plain" and not cfg.mask.reference_code_bits:
+        raise ConfigError("mask.reference_code_metric weights the activation's transform code: it needs "
+                          "mask.reference_code_bits")
     if cfg.anchor.enabled and cfg.anchor.snapshot == "dp" and not cfg.dp.enabled:
         raise ConfigError("anchor.snapshot: 'dp' needs dp.enabled = true (the anchor follows the DP all-reduce)")
     if cfg.dp.matchmaking_time >= cfg.dp.round_timeout:

@@ -27,7 +27,7 @@ map (:class:`meshnode.stage.reference.ResidualMap`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -41,17 +41,25 @@ TC_STEP = (0.0, 1.5956, 0.9957, 0.5860, 0.3352)
 TC_MSE = (1.0, 0.3634, 0.1188, 0.03744, 0.01154)
 BASIS_DTYPE = torch.bfloat16
 BASIS_DTYPES = (torch.bfloat16, torch.float32)  # as it travels in bfloat16, or decoded from 8 bits per column
+METRIC_FLOOR = 0.01  # a Fisher metric (trace H) plus this x I: no direction is weighted below a tenth in amplitude
+# the largest coefficient scale a receiver takes, in units of sqrt(H): 1 for an orthonormal basis (the variances sum
+# to H); a Fisher-weighted code's basis is not orthogonal and its coefficients can exceed the vector's norm
+MAX_SCALE = {False: 1.01, True: 32.0}
 
 
 @dataclass(frozen=True)
 class Transform:
     """A fitted transform code: ``basis`` (H, m) in bfloat16 (orthonormal columns, as rounded for the wire; or
     float32, as decoded from 8 bits per value), ``scale`` (m,) float32 (each direction's std in the
-    normalised units), ``bits`` (m,) uint8 in 1..4."""
+    normalised units), ``bits`` (m,) uint8 in 1..4.
+
+    ``encoder`` (H, m) float32, the sender's only (it never travels): the projection that gives the coefficients when
+    they are not ``basis``' (a Fisher-weighted code, :func:`fit_transform`'s ``metric``); None: ``basis``."""
 
     basis: Tensor
     scale: Tensor
     bits: Tensor
+    encoder: Tensor | None = field(default=None, compare=False)
 
     @property
     def code_bits(self) -> int:
@@ -62,8 +70,9 @@ class Transform:
     def code_bytes(self) -> int:
         return (self.code_bits + 7) // 8
 
-    def check(self, hidden: int) -> None:
-        """Raise ValueError unless this is a well-formed transform for ``hidden`` channels (a peer's payload)."""
+    def check(self, hidden: int, weighted: bool = False) -> None:
+        """Raise ValueError unless this is a well-formed transform for ``hidden`` channels (a peer's payload);
+        ``weighted``: a Fisher-weighted code's (unit but not orthogonal columns, larger scales)."""
         if self.basis.dim() != 2 or self.basis.shape[0] != hidden or not 1 <= self.basis.shape[1] <= hidden:
             raise ValueError(f"transform basis must be ({hidden}, m) with 1 <= m <= {hidden}, got "
                              f"{tuple(self.basis.shape)}")
@@ -76,8 +85,9 @@ class Transform:
                 raise ValueError(f"transform {name} must have shape ({m},), got {tuple(t.shape)}")
         if not (bool(torch.isfinite(self.basis.float()).all()) and bool(torch.isfinite(self.scale).all())):
             raise ValueError("transform has non-finite values")
-        if bool((self.scale <= 0).any()) or bool((self.scale > 1.01 * hidden ** 0.5).any()):
-            raise ValueError(f"transform scales must be in (0, sqrt({hidden})] (the directions' variances sum to H)")
+        top = MAX_SCALE[weighted]
+        if bool((self.scale <= 0).any()) or bool((self.scale > top * hidden ** 0.5).any()):
+            raise ValueError(f"transform scales must be in (0, {top:g} sqrt({hidden})]")
         norms = self.basis.float().norm(dim=0)
         if bool(((norms - 1).abs() > 0.02).any()):
             raise ValueError("transform basis columns must have unit norm")
@@ -99,10 +109,18 @@ def allocate_bits(var: Tensor, budget: int) -> Tensor:
     return bits.reshape(n, MAX_CODE_BITS).sum(1)
 
 
-def fit_transform(second_moment: Tensor, budget: int, basis_dtype: torch.dtype = BASIS_DTYPE) -> Transform:
+def fit_transform(second_moment: Tensor, budget: int, basis_dtype: torch.dtype = BASIS_DTYPE,
+                  metric: Tensor | None = None) -> Transform:
     """The transform code of ``budget`` bits per token for vectors whose per-token normalised second moment is
     ``second_moment`` (H, H); its trace is taken as H (rescaled if not). The basis is rounded to ``basis_dtype``
-    (float32 for a caller that quantises it further)."""
+    (float32 for a caller that quantises it further).
+
+    ``metric`` (H, H), positive semi-definite (the empirical Fisher of the coded vectors, ``sum g g^T`` of the
+    loss's gradients with respect to them): minimise the error weighted by it instead, ``(e - e_hat)^T M (e -
+    e_hat)``. With ``L = M^(1/2)`` (M scaled to trace H, plus :data:`METRIC_FLOOR` x I), the code is the KLT of
+    ``L e``: coefficients ``c = (L b_i)^T e`` for the eigenvectors ``b_i`` of ``L S L``, decoded along ``L^-1 b_i``.
+    Those directions travel as unit columns (the basis), each one's norm folded into its scale, and ``encoder``
+    holds ``L b_i`` times the same norms: the receiver decodes exactly as for a plain code."""
     s = second_moment.double()
     h = s.shape[0]
     if s.shape != (h, h):
@@ -113,14 +131,39 @@ def fit_transform(second_moment: Tensor, budget: int, basis_dtype: torch.dtype =
     tr = float(s.trace())
     if not tr > 0 or not bool(torch.isfinite(s).all()):
         raise ValueError("second moment must be finite with a positive trace")
-    var, vecs = torch.linalg.eigh(s * (h / tr))
+    s = s * (h / tr)
+    root = None
+    if metric is not None:
+        root, inv = metric_root(metric)
+        s = root @ s @ root
+    var, vecs = torch.linalg.eigh((s + s.T) / 2)
     order = torch.argsort(var, descending=True)
     var, vecs = var[order].clamp_min(0), vecs[:, order]
     bits = allocate_bits(var, budget)
     keep = bits > 0
     floor = 1e-12 * float(var[0])
-    return Transform(basis=vecs[:, keep].to(basis_dtype), scale=var[keep].clamp_min(floor).sqrt().float(),
-                     bits=bits[keep].to(torch.uint8))
+    scale = var[keep].clamp_min(floor).sqrt()
+    if root is None:
+        return Transform(basis=vecs[:, keep].to(basis_dtype), scale=scale.float(), bits=bits[keep].to(torch.uint8))
+    dec = inv @ vecs[:, keep]  # the directions the coefficients decode along
+    norms = dec.norm(dim=0)
+    return Transform(basis=(dec / norms).to(basis_dtype), scale=(scale * norms).float(),
+                     bits=bits[keep].to(torch.uint8), encoder=((root @ vecs[:, keep]) * norms).float())
+
+
+def metric_root(metric: Tensor) -> tuple[Tensor, Tensor]:
+    """``(L, L^-1)`` (float64) with ``L = (M H / tr M + METRIC_FLOOR I)^(1/2)`` for a positive semi-definite ``metric``
+    M (H, H); ValueError if it is not finite or has no positive trace."""
+    m = metric.double()
+    h = m.shape[0]
+    if m.shape != (h, h) or not bool(torch.isfinite(m).all()):
+        raise ValueError(f"metric must be a finite square matrix, got {tuple(m.shape)}")
+    tr = float(m.trace())
+    if not tr > 0:
+        raise ValueError("metric must have a positive trace")
+    lam, vec = torch.linalg.eigh((m + m.T) / 2 * (h / tr))
+    lam = lam.clamp_min(0) + METRIC_FLOOR
+    return (vec * lam.sqrt()) @ vec.T, (vec / lam.sqrt()) @ vec.T
 
 
 def _bit_layout(bits: Tensor) -> tuple[Tensor, Tensor]:  # which direction and which bit each code bit is
@@ -137,7 +180,7 @@ def tc_encode(x: Tensor, tf: Transform) -> tuple[Tensor, Tensor]:
     rows = x.detach().float().reshape(-1, h)
     rms = rows.square().mean(-1).sqrt()
     unit = rows / torch.where(rms > 0, rms, torch.ones_like(rms))[:, None]
-    c = unit @ tf.basis.float().to(x.device)  # (N, m)
+    c = unit @ (tf.basis if tf.encoder is None else tf.encoder).float().to(x.device)  # (N, m)
     b = tf.bits.to(device=x.device, dtype=torch.int64)
     step = torch.tensor(TC_STEP, device=x.device)[b] * tf.scale.to(x.device)
     half = (1 << b)[None, :] // 2
@@ -172,4 +215,4 @@ def normalised_second_moment(rows: Tensor) -> Tensor:
 
 
 __all__ = ["BASIS_DTYPE", "BASIS_DTYPES", "MAX_CODE_BITS", "TC_MSE", "TC_STEP", "Transform", "allocate_bits",
-           "fit_transform", "normalised_second_moment", "tc_decode", "tc_encode"]
+           "fit_transform", "metric_root", "normalised_second_moment", "tc_decode", "tc_encode"]

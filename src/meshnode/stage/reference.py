@@ -272,11 +272,13 @@ class ResidualMap:
     per-token normalised second moment of ``r - centre(h_ref) U V^T`` over the same microbatches (computed
     exactly for the new map from weighted statistics: each token weighted by 1 / its residual's mean square).
     ``rank`` may then be 0 (no map, only the code). ``fit_bits`` 8 sends the (H, k) matrices of a fit in 8 bits
-    per value (:meth:`MapFit.eight_bit`) instead of bfloat16: about half the bytes.
+    per value (:meth:`MapFit.eight_bit`) instead of bfloat16: about half the bytes. ``fisher``: the code minimises
+    the error weighted by the empirical Fisher of what it codes, from the gradients :meth:`observe_grad` is given
+    (the sender of an activation receives its gradient; :func:`meshnode.compression.transform.fit_transform`).
     """
 
     def __init__(self, hidden: int, rank: int, ridge: float = 1e-2, sender: int | None = None, code_bits: int = 0,
-                 centre: bool = True, fit_bits: int = 16):
+                 centre: bool = True, fit_bits: int = 16, fisher: bool = False):
         if rank and not centre:
             raise ValueError("a residual map predicts a centred residual: rank > 0 needs centre")
         if not 0 <= rank <= hidden or not (rank or code_bits):
@@ -288,6 +290,7 @@ class ResidualMap:
             raise ValueError(f"mask.reference_fit_bits must be one of {FIT_BITS}, got {fit_bits}")
         self.hidden, self.rank, self.ridge, self.code_bits = int(hidden), int(rank), float(ridge), int(code_bits)
         self.fit_bits = int(fit_bits)
+        self.fisher = bool(fisher and code_bits)
         self.centre = bool(centre)  # whether what is coded is centred per microbatch (activations; not gradients)
         # names this sender's maps apart from those of other peers of its stage (a receiver may serve several)
         self.sender = int(sender) if sender is not None else secrets.randbits(31)
@@ -323,6 +326,21 @@ class ResidualMap:
         self.wxx, self.wxr = (zeros(), zeros()) if self.rank and self.code_bits else (None, None)
         self.wrr = zeros() if self.code_bits else None
         self.tokens = 0
+        self.ggt = zeros() if self.fisher else None  # sum g g^T of the gradients observed (fisher)
+        self.grad_tokens = 0
+
+    @torch.no_grad()
+    def observe_grad(self, grad: Tensor) -> None:
+        """Add the loss's gradient with respect to a microbatch this sender sent (B, T, H) to the Fisher metric
+        (``fisher``; otherwise nothing). A non-finite one is skipped."""
+        if not self.fisher:
+            return
+        if grad.shape[-1] != self.hidden:
+            raise ValueError(f"residual map: gradient {tuple(grad.shape)} must be (B, T, {self.hidden})")
+        g = grad.detach().float().reshape(-1, self.hidden).cpu()
+        if bool(torch.isfinite(g).all()):
+            self.ggt += (g.T @ g).double()
+            self.grad_tokens += g.shape[0]
 
     @torch.no_grad()
     def observe(self, h_ref: Tensor | None, resid: Tensor) -> None:
@@ -375,6 +393,7 @@ class ResidualMap:
         """Fit a new version from the statistics since the last fit (then cleared). False (the current map
         stays) with fewer tokens than twice the width, or if the fit is not finite."""
         n, xtx, xtr, wxx, wxr, wrr = self.tokens, self.xtx, self.xtr, self.wxx, self.wxr, self.wrr
+        metric = self.ggt if self.fisher and self.grad_tokens and float(self.ggt.trace()) > 0 else None
         self._reset()
         if n < 2 * self.hidden:
             return False
@@ -391,7 +410,7 @@ class ResidualMap:
                 cross = a.T @ wxr
                 s = wrr - cross - cross.T + a.T @ wxx @ a
             try:
-                tf = fit_transform(s, self.code_bits, MAP_DTYPE if self.fit_bits == 16 else torch.float32)
+                tf = fit_transform(s, self.code_bits, MAP_DTYPE if self.fit_bits == 16 else torch.float32, metric)
             except (ValueError, torch.linalg.LinAlgError):
                 return False
         self.version += 1
@@ -426,11 +445,13 @@ class MapStore:
     """The receiver's side of the residual map of one boundary: the maps it was sent, by (sender, version): the
     last ``keep`` versions of each of the last :data:`MAX_MAP_SENDERS` senders."""
 
-    def __init__(self, hidden: int, rank: int, keep: int = 2, code_bits: int = 0, fit_bits: int = 16):
+    def __init__(self, hidden: int, rank: int, keep: int = 2, code_bits: int = 0, fit_bits: int = 16,
+                 fisher: bool = False):
         if fit_bits not in FIT_BITS:
             raise ValueError(f"mask.reference_fit_bits must be one of {FIT_BITS}, got {fit_bits}")
         self.hidden, self.rank, self.keep, self.code_bits = int(hidden), int(rank), int(keep), int(code_bits)
         self.fit_bits = int(fit_bits)
+        self.fisher = bool(fisher)  # its codes are Fisher-weighted: unit but not orthogonal bases, larger scales
         self.maps: OrderedDict[tuple[int, int], MapFit] = OrderedDict()
 
     def take(self, payload: EncodedPayload) -> tuple[EncodedPayload, tuple[int, int] | None]:
@@ -483,7 +504,7 @@ class MapStore:
         if self.code_bits:
             tf = Transform(dec[CODE_TENSORS[0]], *(parts[k] for k in CODE_TENSORS[1:]))
             try:
-                tf.check(self.hidden)
+                tf.check(self.hidden, self.fisher)
             except ValueError as exc:
                 raise PayloadError(f"payload transform code: {exc}") from None
             if tf.code_bits != self.code_bits:

@@ -161,7 +161,8 @@ class StageWorker:
         if (m.reference_map_rank or m.reference_code_bits) and self.map_out is None:
             try:
                 self.map_out = ResidualMap(hidden, m.reference_map_rank, code_bits=m.reference_code_bits,
-                                           fit_bits=m.reference_fit_bits)
+                                           fit_bits=m.reference_fit_bits,
+                                           fisher=m.reference_code_metric == "fisher")
             except ValueError as exc:
                 raise StageError(f"stage {self.index}: {exc}") from None
         return self.map_out
@@ -186,8 +187,9 @@ class StageWorker:
         if ref is None or not (rank or bits):
             raise StageError(f"stage {self.index}: the payload names a {what}, which this boundary does not use")
         if getattr(self, store) is None:
-            setattr(self, store, MapStore(payload.shape[-1], rank, code_bits=bits,
-                                          fit_bits=self.cfg.mask.reference_fit_bits))
+            m = self.cfg.mask
+            setattr(self, store, MapStore(payload.shape[-1], rank, code_bits=bits, fit_bits=m.reference_fit_bits,
+                                          fisher=store == "map_in" and m.reference_code_metric == "fisher"))
         held: MapStore = getattr(self, store)
         try:
             payload, key = held.take(payload)
@@ -322,6 +324,8 @@ class StageWorker:
                 )
             if ref is not None:
                 g = g.float() + ref.input_grad(self._ref_key(mb), state.ids, self.index, state.sent, scale)
+            if self.map_out is not None and codec is not self.dense_codec:
+                self.map_out.observe_grad(g)  # the Fisher metric of its code (mask.reference_code_metric)
             state.outputs.backward(g.to(state.outputs.dtype))
         del self.in_flight[mb]
         if self.noise is not None:
