@@ -380,9 +380,10 @@ class StageWorker:
                 try:  # after the step: a failed fit keeps the current one and never costs the step
                     if fit.refit():
                         tf = fit.transform
+                        code = (f"; code of {tf.code_bits} bits on {tf.basis.shape[1]} directions, largest scale "
+                                f"{float(tf.scale.max()) / tf.basis.shape[0] ** 0.5:.3g} sqrt(H)") if tf else ""
                         logger.info("stage %d: %s version %d fitted (%d bytes to send%s)", self.index, what,
-                                    fit.version, fit.current.nbytes(),
-                                    f"; code of {tf.code_bits} bits on {tf.basis.shape[1]} directions" if tf else "")
+                                    fit.version, fit.current.nbytes(), code)
                 except Exception:
                     logger.exception("stage %d: %s refit failed; keeping version %d", self.index, what, fit.version)
         stats = {
