@@ -45,6 +45,11 @@ with the map and replaces the rotated code of the activation (R = 288 is half a 
 gradient's sender (the later stage) keeps a :class:`ResidualMap` of rank 0 for ``g - g_ref`` (uncentred) and ships
 its code with its gradients: in the mesh once per fit, in the swarm with the reply to a caller whose request does
 not list it among the codes it holds (``held_codes``), so a caller that restarted gets it again.
+
+``mask.reference_fit_bits = 8`` sends a fit's (H, k) matrices as int8 with a float32 step per column (about half
+its bytes; both ends use the decoded values). ``mask.reference_code_metric = "fisher"`` weights the activation's
+code by the empirical Fisher of the boundary, from the gradients its sender receives (``observe_grad``); nothing
+changes on the wire.
 """
 
 from __future__ import annotations
