@@ -214,9 +214,12 @@ VARIANTS: dict[str, list[str]] = {
     "rotq1_refmap64_tc288_g144_p10_f8": [*TC288_G144, "mask.reference_fit_bits=8"],
     # the activation's code weighted by the boundary's empirical Fisher (the gradients its sender receives)
     "rotq1_refmap64_tc288_g144_p10_fisher": [*TC288_G144, "mask.reference_code_metric=fisher"],
-    # both: the Fisher-weighted code with 8-bit fits
+    # both: the Fisher-weighted code with 8-bit fits; and at a quarter bit both ways
     "rotq1_refmap64_tc288_g144_p10_fisher_f8": [*TC288_G144, "mask.reference_code_metric=fisher",
                                                 "mask.reference_fit_bits=8"],
+    "rotq1_refmap64_tc144_g144_p10_fisher_f8": [*REFMAP64_P10, "mask.reference_code_bits=144",
+                                                "mask.reference_grad_code_bits=144",
+                                                "mask.reference_code_metric=fisher", "mask.reference_fit_bits=8"],
     # the whole system with the transform codes (twenty-third session): half a bit forward, a quarter back, and
     # plain-average DP with dp.v_correction (each replica fits its own maps and codes); and with PowerSGD rank 4
     "rotq1_refmap64_tc288_g144_p10_dpavg_vc": [*TC288_G144, *DP, *MB2, "dp.v_correction=true"],
