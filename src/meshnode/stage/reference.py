@@ -217,24 +217,6 @@ class MapFit:
             out.update(zip(CODE_TENSORS, (tf.basis, tf.scale, tf.bits)))
         return out
 
-    @classmethod
-    def eight_bit(cls, u: Tensor | None, v: Tensor | None, transform: Transform | None) -> MapFit:
-        """This fit with its (H, k) matrices (U, V, the transform's basis) in 8 bits per value, one float32 step
-        per column (``mask.reference_fit_bits = 8``): the values the sender uses are those the receiver decodes."""
-        mats = {MAP_TENSORS[0]: u, MAP_TENSORS[1]: v, CODE_TENSORS[0]: None if transform is None else transform.basis}
-        wire: dict[str, Tensor] = {}
-        dec: dict[str, Tensor] = {}
-        for name, step_name in zip(MATRIX_TENSORS, STEP_TENSORS):
-            if mats[name] is None:
-                continue
-            q, step = quantize_absmax(mats[name].T, 8)  # a row of x.T is a column of x
-            wire[name], wire[step_name] = q.T.contiguous(), step
-            dec[name] = _decode_columns(wire[name], step)
-        if transform is not None:
-            transform = dataclasses.replace(transform, basis=dec[CODE_TENSORS[0]])
-            wire.update(zip(CODE_TENSORS[1:], (transform.scale, transform.bits)))
-        return cls(dec.get(MAP_TENSORS[0]), dec.get(MAP_TENSORS[1]), transform, wire)
-
     def nbytes(self) -> int:
         """Wire bytes of this fit when it travels."""
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
@@ -244,6 +226,14 @@ class MapFit:
         if self.u is None:
             return torch.zeros_like(h_ref, dtype=torch.float32)
         return apply_map(h_ref, self.u.to(h_ref.device), self.v.to(h_ref.device))
+
+
+def _eight_bit(name: str, x: Tensor, wire: dict[str, Tensor]) -> Tensor:
+    """Put the (H, k) matrix ``x`` in ``wire`` as payload tensor ``name`` in 8 bits per value with a float32 step per
+    column (``mask.reference_fit_bits = 8``); returns the values both ends decode from it (float32)."""
+    q, step = quantize_absmax(x.T, 8)  # a row of x.T is a column of x
+    wire[name], wire[STEP_TENSORS[MATRIX_TENSORS.index(name)]] = q.T.contiguous(), step
+    return _decode_columns(wire[name], step)
 
 
 def _decode_columns(q: Tensor, step: Tensor) -> Tensor:
@@ -277,7 +267,7 @@ class ResidualMap:
     per-token normalised second moment of ``r - centre(h_ref) U V^T`` over the same microbatches (computed
     exactly for the new map from weighted statistics: each token weighted by 1 / its residual's mean square).
     ``rank`` may then be 0 (no map, only the code). ``fit_bits`` 8 sends the (H, k) matrices of a fit in 8 bits
-    per value (:meth:`MapFit.eight_bit`) instead of bfloat16: about half the bytes. ``fisher``: the code minimises
+    per value (a float32 step per column) instead of bfloat16: about half the bytes. ``fisher``: the code minimises
     the error weighted by the empirical Fisher of what it codes, from the gradients :meth:`observe_grad` is given
     (the sender of an activation receives its gradient; :func:`meshnode.compression.transform.fit_transform`).
     """
@@ -388,10 +378,7 @@ class ResidualMap:
         u = a @ v
         if not (bool(torch.isfinite(u).all()) and bool(torch.isfinite(v).all())):
             return None
-        if self.fit_bits == 8:  # as both ends will decode them from 8 bits
-            fit = MapFit.eight_bit(u, v, None)
-            return fit.u, fit.v
-        return u.to(MAP_DTYPE), v.to(MAP_DTYPE)  # rounded as they travel; both ends use these
+        return u, v
 
     @torch.no_grad()
     def refit(self) -> bool:
@@ -403,11 +390,14 @@ class ResidualMap:
         if n < 2 * self.hidden:
             return False
         u = v = tf = None
+        wire: dict[str, Tensor] | None = {} if self.fit_bits == 8 else None  # what travels, with 8-bit fits
         if self.rank:
             uv = self._fit_map(n, xtx, xtr)
             if uv is None:
                 return False
-            u, v = uv
+            # rounded as they travel (bfloat16, or 8 bits per value): both ends use these
+            u, v = ((_eight_bit(MAP_TENSORS[0], uv[0], wire), _eight_bit(MAP_TENSORS[1], uv[1], wire))
+                    if wire is not None else (uv[0].to(MAP_DTYPE), uv[1].to(MAP_DTYPE)))
         if self.code_bits:
             s = wrr
             if u is not None:  # the second moment of r - x A for the map as rounded: what will be coded
@@ -415,11 +405,14 @@ class ResidualMap:
                 cross = a.T @ wxr
                 s = wrr - cross - cross.T + a.T @ wxx @ a
             try:
-                tf = fit_transform(s, self.code_bits, MAP_DTYPE if self.fit_bits == 16 else torch.float32, metric)
+                tf = fit_transform(s, self.code_bits, MAP_DTYPE if wire is None else torch.float32, metric)
             except (ValueError, torch.linalg.LinAlgError):
                 return False
+            if wire is not None:
+                tf = dataclasses.replace(tf, basis=_eight_bit(CODE_TENSORS[0], tf.basis, wire))
+                wire.update(zip(CODE_TENSORS[1:], (tf.scale, tf.bits)))
         self.version += 1
-        self.history[self.version] = MapFit(u, v, tf) if self.fit_bits == 16 else MapFit.eight_bit(u, v, tf)
+        self.history[self.version] = MapFit(u, v, tf, wire)
         while len(self.history) > 2:
             self.history.popitem(last=False)
         self.shipped = False
