@@ -220,6 +220,12 @@ VARIANTS: dict[str, list[str]] = {
     "rotq1_refmap64_tc144_g144_p10_fisher_f8": [*REFMAP64_P10, "mask.reference_code_bits=144",
                                                 "mask.reference_grad_code_bits=144",
                                                 "mask.reference_code_metric=fisher", "mask.reference_fit_bits=8"],
+    # where the headline row's gap comes from (twenty-fourth session): its forward code with a 4-bit gradient, and
+    # its gradient code with a 4-bit forward (each fitted at the same period, 8-bit fits)
+    "rotq1_refmap64_tc288_g4_p10_fisher_f8": [*REFMAP64_P10, "mask.reference_code_bits=288", "mask.grad_bits=4",
+                                              "mask.reference_code_metric=fisher", "mask.reference_fit_bits=8"],
+    "rotq4_refmap64_g144_p10_f8": [*REFMAP64_P10, "mask.bits=4", "mask.reference_grad_code_bits=144",
+                                   "mask.reference_fit_bits=8"],
     # the whole system with the transform codes (twenty-third session): half a bit forward, a quarter back, and
     # plain-average DP with dp.v_correction (each replica fits its own maps and codes); and with PowerSGD rank 4
     "rotq1_refmap64_tc288_g144_p10_dpavg_vc": [*TC288_G144, *DP, *MB2, "dp.v_correction=true"],
