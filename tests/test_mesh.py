@@ -259,3 +259,38 @@ def test_mesh_on_cuda_agrees_with_cpu(tiny_cfg, cache_dir, variant):
             mesh.train_step()
         out[device] = [*mesh.losses, mesh.heldout_loss()]
     assert out["cuda"] == pytest.approx(out["cpu"], rel=2e-3), out
+
+
+def _leaves(state, path=()) -> dict:
+    """A nested state dict's leaves by path, tensors as (dtype, shape, values) so that == compares them."""
+    if isinstance(state, dict):
+        return {k: v for key, sub in state.items() for k, v in _leaves(sub, (*path, key)).items()}
+    if isinstance(state, (list, tuple)):
+        return {k: v for i, sub in enumerate(state) for k, v in _leaves(sub, (*path, i)).items()}
+    if torch.is_tensor(state):
+        return {path: (state.dtype, tuple(state.shape), state.flatten().tolist())}
+    return {path: state}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_gradient_skips_the_step_and_keeps_the_weights(tiny_cfg, cache_dir, bad):
+    """A gradient that holds a NaN or inf (an overflow from a bad payload upstream) must not reach the weights:
+    the stage skips that step, keeps its weights and optimizer state, and trains on from the next one."""
+    t = MeshTrainer(tiny_cfg("train.eval_every=0", "train.steps=4"), cache_dir)
+    t.train_step()
+    w = t.workers[0][1]
+    weights = copy.deepcopy(w.module.state_dict())
+    opt_state = copy.deepcopy(w.optimizer_state())
+    gen = torch.Generator().manual_seed(0)
+    params = list(w.module.parameters())
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    params[len(params) // 2].grad.view(-1)[3] = bad
+    stats = w.step(1, 1e-3)
+    assert stats["skipped"] and not torch.isfinite(torch.tensor(stats["grad_norm"]))
+    assert all(torch.equal(weights[n], v) for n, v in w.module.state_dict().items())
+    assert _leaves(w.optimizer_state()) == _leaves(opt_state)
+    assert all(p.grad is None or not p.grad.any() for p in params)  # nothing carried into the next step
+    rec = t.train_step()
+    assert torch.isfinite(torch.tensor(rec["loss"]))
+    assert not all(torch.equal(weights[n], v) for n, v in w.module.state_dict().items())  # it trains on

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -352,26 +353,21 @@ class StageWorker:
         self.in_flight.pop(mb, None)
 
     def step(self, step: int, lr: float) -> dict:
-        """Clip this stage's gradient, apply the optimizer, zero the gradients. Returns step stats."""
+        """Clip this stage's gradient, apply the optimizer, zero the gradients. Returns step stats (``skipped``:
+        the gradient held a non-finite value, from a bad payload or an overflow upstream, and the step was not
+        taken: the weights and the optimizer state stay as they were)."""
         params = [p for p in self.module.parameters() if p.grad is not None]
-        grad_norm = float("nan")
         variance = self.noise.variance() if self.noise is not None else {}
-        clip = self.cfg.train.grad_clip
-        try:
-            if params and clip > 0:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
+        total = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else None
+        grad_norm = float(total) if total is not None else float("nan")
+        skipped = bool(params) and not math.isfinite(grad_norm)
+        if skipped:
+            logger.warning("stage %d: gradient norm %s at step %d; step skipped, weights kept", self.index,
+                           grad_norm, step)
             if self.noise is not None:
-                scale = min(1.0, clip / (grad_norm + 1e-6)) if params and clip > 0 else 1.0  # clip_grad_norm_'s
-                self.noise.before_step(self.optimizer, variance, scale)
-            self.optimizer.step(step)
-            if self.noise is not None:
-                self.noise.after_step(self.optimizer)
-        except BaseException:
-            if self.noise is not None:  # the next microbatches start a fresh estimate (their gradients add to these)
                 self.noise.reset()
-            raise
+        else:
+            self._apply(params, total, variance, step, lr)
         self.zero_grad()
         if (step + 1) % self.cfg.mask.reference_map_period == 0:
             for what, fit in (("residual map", self.map_out), ("gradient code", self.gcode_out)):
@@ -390,9 +386,28 @@ class StageWorker:
             "loss": self.step_stats.loss_sum / max(1, self.step_stats.microbatches),
             "tokens": self.step_stats.tokens,
             "grad_norm": grad_norm,
+            "skipped": skipped,
         }
         self.step_stats = StepStats()
         return stats
+
+    def _apply(self, params: list, total: Tensor | None, variance: dict, step: int, lr: float) -> None:
+        clip = self.cfg.train.grad_clip
+        try:
+            if params and clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, clip, total)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            if self.noise is not None:
+                scale = min(1.0, clip / (float(total) + 1e-6)) if params and clip > 0 else 1.0  # clip_grad_norm_'s
+                self.noise.before_step(self.optimizer, variance, scale)
+            self.optimizer.step(step)
+            if self.noise is not None:
+                self.noise.after_step(self.optimizer)
+        except BaseException:
+            if self.noise is not None:  # the next microbatches start a fresh estimate (their gradients add to these)
+                self.noise.reset()
+            raise
 
     def optimizer_state(self) -> dict:
         """The optimizer's state dict, with the second-moment correction's EMAs (``dp.v_correction``)."""
