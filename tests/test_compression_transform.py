@@ -16,6 +16,7 @@ from meshnode.compression import (
     normalised_second_moment,
     tc_decode,
     tc_encode,
+    tc_grad,
 )
 from meshnode.compression.transform import TC_MSE, allocate_bits
 from meshnode.config import ConfigError
@@ -425,3 +426,75 @@ def test_in_the_mesh_the_gradient_code_halves_the_backward_bytes(tiny_cfg, cache
     print(f"gradient residual decoded at half a bit: relative squared error {err:.3f} ({err_wrong:.3f} with the "
           "forward's code)")
     assert err < 0.6 < err_wrong
+
+
+@pytest.mark.parametrize("metric", ["plain", "fisher"])
+def test_tc_grad_is_the_backward_of_the_code_s_linear_part(metric):
+    """``tc_grad`` is the vector-Jacobian product of ``e -> e E D^T`` (what the code does to a vector, quantisation
+    aside), so it is zero along every direction the code does not send; for the plain code it is the orthogonal
+    projection onto the sent directions."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4096, H, generator=gen) * torch.linspace(0.2, 2.0, H)
+    s = normalised_second_moment(x)
+    a = torch.randn(H, H, generator=gen)
+    tf = fit_transform(s, 40, metric=(a @ a.T).double() if metric == "fisher" else None)
+    enc = (tf.basis if tf.encoder is None else tf.encoder).float()
+    e = torch.randn(3, 5, H, generator=gen, requires_grad=True)
+    g = torch.randn(3, 5, H, generator=gen)
+    ((e @ enc @ tf.basis.float().T) * g).sum().backward()
+    torch.testing.assert_close(tc_grad(g, tf), e.grad, rtol=1e-5, atol=1e-5)
+    m = tf.basis.shape[1]
+    assert m < H
+    null = torch.linalg.svd(enc.T.double(), full_matrices=True).Vh[m:].float()  # directions the encoder ignores
+    off = tc_grad(g, tf) @ null.T
+    assert float(off.abs().max()) < 1e-4  # nothing along what the code drops
+    assert float((g @ null.T).abs().max()) > 0.1
+    if metric == "plain":
+        p = tc_grad(g, tf)
+        torch.testing.assert_close(tc_grad(p, tf), p, rtol=1e-2, atol=1e-2)  # bfloat16 basis: nearly a projection
+
+
+@pytest.mark.parametrize("metric", ["plain", "fisher"])
+def test_in_the_mesh_the_projected_gradient_moves_the_sender_only_along_what_it_sent(tiny_cfg, cache_dir, metric):
+    """``mask.reference_code_grad = project``: the activation's sender applies the returning gradient through its
+    code's linear part, so the gradient at its output lies in the span of the code's encoder (straight through, it
+    does not); training is the same until the first code is used, then differs."""
+    args = (*CODED, "mask.reference_code_bits=32", f"mask.reference_code_metric={metric}")
+    straight = MeshTrainer(tiny_cfg(*args), cache_dir)
+    proj = MeshTrainer(tiny_cfg(*args, "mask.reference_code_grad=project"), cache_dir)
+    for _ in range(2):  # the first fit comes after step 1 (period 2): no code yet
+        straight.train_step()
+        proj.train_step()
+    assert proj.losses == straight.losses
+    for _ in range(4):
+        straight.train_step()
+        proj.train_step()
+    assert proj.losses != straight.losses and all(torch.isfinite(torch.tensor(proj.losses)))
+
+    def out_grad(trainer):
+        w0, w1, w2 = trainer.workers[0]
+        ids = trainer.sources[0].batch(100)
+        mb = MicrobatchId(100, 0)
+        w2.forward(mb, w1.forward(mb, w0.forward(mb, ids, labels=ids), labels=ids), labels=ids)
+        got = []
+        w0.in_flight[mb].outputs.register_hook(lambda grad: got.append(grad.detach().float()))
+        tf = w0.in_flight[mb].ctx_out.transform
+        w0.backward(mb, w1.backward(mb, w2.backward(mb)))
+        for w in trainer.workers[0]:
+            w.zero_grad()
+        enc = (tf.basis if tf.encoder is None else tf.encoder).double()
+        g = got[0].reshape(-1, enc.shape[0]).double()
+        q, _ = torch.linalg.qr(enc)
+        return float((g - (g @ q) @ q.T).norm() / g.norm())  # the part outside the encoder's span
+
+    assert out_grad(proj) < 1e-4
+    assert out_grad(straight) > 0.1
+
+
+def test_config_refuses_a_projected_gradient_without_a_code(tiny_cfg):
+    with pytest.raises(ConfigError, match="reference_code_grad"):
+        tiny_cfg("mask.codec=rotq", "mask.reference=both", "mask.reference_map_rank=8",
+                 "mask.reference_code_grad=project")
+    with pytest.raises(ConfigError, match="reference_code_grad"):
+        tiny_cfg("mask.codec=rotq", "mask.reference=both", "mask.reference_code_bits=32",
+                 "mask.reference_code_grad=sideways")

@@ -137,6 +137,10 @@ class MaskConfig:
     # the activation's transform code minimises: "plain" the squared error, "fisher" the error weighted by the
     # empirical Fisher of the boundary (sum g g^T of the gradients its sender receives)
     reference_code_metric: str = "plain"
+    # the gradient the activation's sender applies to its output through the transform code: "straight" the
+    # receiver's gradient as it is (straight through the code), "project" through the code's linear part (the
+    # directions it sends): the sender's weights are not pushed along directions the next stage never sees
+    reference_code_grad: str = "straight"
     topk_ratio: float = 0.1  # fraction of channels kept by the top-k baseline
     wire_dtype: str = "bfloat16"  # bfloat16 | float16 | float32
     version: int = 0
@@ -263,6 +267,7 @@ _CHOICES = {
     "mask.grad_bits": (0, 1, 2, 4),
     "mask.reference_fit_bits": (16, 8),
     "mask.reference_code_metric": ("plain", "fisher"),
+    "mask.reference_code_grad": ("straight", "project"),
     "mask.grad_weight": ("none", "std"),
     "mask.reference": ("none", "forward", "both"),
     "mask.wire_dtype": ("bfloat16", "float16", "float32"),
@@ -417,6 +422,9 @@ def _cross_check(cfg: RunConfig) -> None:
     if cfg.mask.reference_code_metric != "plain" and not cfg.mask.reference_code_bits:
         raise ConfigError("mask.reference_code_metric weights the activation's transform code: it needs "
                           "mask.reference_code_bits")
+    if cfg.mask.reference_code_grad != "straight" and not cfg.mask.reference_code_bits:
+        raise ConfigError("mask.reference_code_grad sets the gradient through the activation's transform code: it "
+                          "needs mask.reference_code_bits")
     if cfg.anchor.enabled and cfg.anchor.snapshot == "dp" and not cfg.dp.enabled:
         raise ConfigError("anchor.snapshot: 'dp' needs dp.enabled = true (the anchor follows the DP all-reduce)")
     if cfg.dp.matchmaking_time >= cfg.dp.round_timeout:

@@ -39,7 +39,7 @@ from .powersgd import (
 )
 from .quant import dequantize_absmax, fake_quantize, pack_int4, quantize_absmax, quantized_nbytes, unpack_int4
 from .rotquant import ROTQ_BITS, rotation, rotq_decode, rotq_encode, rotq_nbytes
-from .transform import Transform, fit_transform, normalised_second_moment, tc_decode, tc_encode
+from .transform import Transform, fit_transform, normalised_second_moment, tc_decode, tc_encode, tc_grad
 
 __all__ = [
     "AXES", "HEADER_BYTES", "REF_CODE_TENSORS", "REF_FIT_STEP_TENSORS", "REF_MAP_META", "REF_MAP_TENSORS",
@@ -52,6 +52,7 @@ __all__ = [
     "pack_int4",
     "payload_bytes", "powersgd_allreduce", "powersgd_decode", "quantize_absmax", "quantized_nbytes", "rms_scale",
     "scatter_kept",
-    "simulate_transfer", "fit_transform", "normalised_second_moment", "tc_decode", "tc_encode", "tensor_bytes",
+    "simulate_transfer", "fit_transform", "normalised_second_moment", "tc_decode", "tc_encode", "tc_grad",
+    "tensor_bytes",
     "unpack_int4",
 ]

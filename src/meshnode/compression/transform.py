@@ -206,6 +206,16 @@ def tc_decode(codes: Tensor, rms: Tensor, tf: Transform, dtype: torch.dtype = to
     return out.reshape(*rms.shape, -1).to(dtype)
 
 
+def tc_grad(grad: Tensor, tf: Transform) -> Tensor:
+    """A gradient with respect to the decoded vector taken back through the code's linear part (quantisation
+    straight through): ``grad D E^T`` (..., H), with ``D`` the decode directions (``basis``) and ``E`` the encoder
+    (``encoder``, or ``basis``): zero along every direction the code does not send."""
+    dev = grad.device
+    dec = tf.basis.float().to(dev)
+    enc = (tf.basis if tf.encoder is None else tf.encoder).float().to(dev)
+    return (grad.float() @ dec) @ enc.T
+
+
 def normalised_second_moment(rows: Tensor) -> Tensor:
     """``sum_t e_t e_t^T / rms(e_t)^2`` over the rows (N, H) (float64; rows of zero norm count nothing)."""
     e = rows.double()
@@ -215,4 +225,5 @@ def normalised_second_moment(rows: Tensor) -> Tensor:
 
 
 __all__ = ["BASIS_DTYPE", "BASIS_DTYPES", "MAX_CODE_BITS", "TC_MSE", "TC_STEP", "Transform", "allocate_bits",
-           "fit_transform", "metric_root", "normalised_second_moment", "tc_decode", "tc_encode"]
+           "fit_transform", "metric_root", "normalised_second_moment", "tc_decode", "tc_encode",
+           "tc_grad"]

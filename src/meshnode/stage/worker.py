@@ -35,6 +35,7 @@ from ..compression import (
     PayloadError,
     make_codec,
     payload_bytes,
+    tc_grad,
 )
 from ..config import RunConfig
 from ..model import StageModule
@@ -327,6 +328,8 @@ class StageWorker:
                 g = g.float() + ref.input_grad(self._ref_key(mb), state.ids, self.index, state.sent, scale)
             if self.map_out is not None and codec is not self.dense_codec:
                 self.map_out.observe_grad(g)  # the Fisher metric of its code (mask.reference_code_metric)
+            if self.cfg.mask.reference_code_grad == "project" and state.ctx_out.transform is not None:
+                g = tc_grad(g, state.ctx_out.transform)  # only along what the code sent
             state.outputs.backward(g.to(state.outputs.dtype))
         del self.in_flight[mb]
         if self.noise is not None:
