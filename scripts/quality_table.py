@@ -234,6 +234,10 @@ VARIANTS: dict[str, list[str]] = {
     # plain-average DP with dp.v_correction (each replica fits its own maps and codes); and with PowerSGD rank 4
     "rotq1_refmap64_tc288_g144_p10_dpavg_vc": [*TC288_G144, *DP, *MB2, "dp.v_correction=true"],
     "rotq1_refmap64_tc288_g144_p10_dpavg_vc_r4": [*TC288_G144, *DP, *MB2, "dp.v_correction=true", "dp.rank=4"],
+    # the same with the Fisher-weighted code and 8-bit fits (twenty-fourth session)
+    "rotq1_refmap64_tc288_g144_p10_fisher_f8_dpavg_vc_r4": [*TC288_G144, "mask.reference_code_metric=fisher",
+                                                            "mask.reference_fit_bits=8", *DP, *MB2,
+                                                            "dp.v_correction=true", "dp.rank=4"],
 }
 TABLE = ["dense", "dense_dp", "m90", "m90_ap", "m95", "m95_ap", "m95_ap_dp", "topk", "int8"]
 
