@@ -230,6 +230,10 @@ VARIANTS: dict[str, list[str]] = {
     # (mask.reference_code_grad = project): the sender is not pushed where the next stage never sees it
     "rotq1_refmap64_tc288_g144_p10_fisher_f8_proj": [*TC288_G144, "mask.reference_code_metric=fisher",
                                                      "mask.reference_fit_bits=8", "mask.reference_code_grad=project"],
+    # a third more bits forward (two thirds of a bit), for the 150-step run whose gap grew past 1 %
+    "rotq1_refmap64_tc384_g144_p10_fisher_f8": [*REFMAP64_P10, "mask.reference_code_bits=384",
+                                                "mask.reference_grad_code_bits=144",
+                                                "mask.reference_code_metric=fisher", "mask.reference_fit_bits=8"],
     # the whole system with the transform codes (twenty-third session): half a bit forward, a quarter back, and
     # plain-average DP with dp.v_correction (each replica fits its own maps and codes); and with PowerSGD rank 4
     "rotq1_refmap64_tc288_g144_p10_dpavg_vc": [*TC288_G144, *DP, *MB2, "dp.v_correction=true"],
