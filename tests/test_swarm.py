@@ -163,10 +163,12 @@ def test_anchor_follows_dp_instead_of_fetching_weights(swarm_factory, tmp_path, 
       "mask.reference_map_period=2", "mask.reference_code_bits=32"], (0.8, 2.0)),
     # and the gradient's transform code, which stage 2 (1) ships to stage 1 (0) with a reply when the request says
     # the caller does not hold it yet; the maps and codes in 8 bits per value (mask.reference_fit_bits), the
-    # activation's code weighted by the gradients its sender receives (mask.reference_code_metric)
+    # activation's code weighted by the gradients its sender receives (mask.reference_code_metric), and those
+    # gradients applied only along the directions the code sent (mask.reference_code_grad)
     (["mask.codec=rotq", "mask.bits=1", "mask.reference=both", "mask.reference_map_rank=8",
       "mask.reference_map_period=2", "mask.reference_code_bits=32", "mask.reference_grad_code_bits=32",
-      "mask.reference_fit_bits=8", "mask.reference_code_metric=fisher"], (0.5, 2.0)),
+      "mask.reference_fit_bits=8", "mask.reference_code_metric=fisher", "mask.reference_code_grad=project"],
+     (0.5, 2.0)),
 ], ids=["m90", "rotq4g1", "m90_vcorr", "m90_ref", "rotq1_refmap", "rotq1_refmap_tc", "rotq1_refmap_tc_g"])
 def test_equivalence_with_in_process_mesh(swarm_factory, tmp_path, cache_dir, codec, grad_share):
     """One peer per stage, compressed boundaries: the swarm's losses are the mesh's.
@@ -226,6 +228,9 @@ def test_equivalence_with_in_process_mesh(swarm_factory, tmp_path, cache_dir, co
             assert max(abs(a - b) for a, b in zip(swarm_losses, plain)) > 1e-4
     if sw.cfg.mask.reference_code_metric != "plain":  # and the gradients reached the code's metric
         plain = mesh_losses(load_config(TINY, [o for o in over if not o.startswith("mask.reference_code_metric")]))
+        assert max(abs(a - b) for a, b in zip(swarm_losses, plain)) > 1e-4
+    if sw.cfg.mask.reference_code_grad != "straight":  # and the senders projected it: straight through differs
+        plain = mesh_losses(load_config(TINY, [o for o in over if not o.startswith("mask.reference_code_grad")]))
         assert max(abs(a - b) for a, b in zip(swarm_losses, plain)) > 1e-4
 
 
