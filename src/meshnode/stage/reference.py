@@ -49,7 +49,9 @@ not list it among the codes it holds (``held_codes``), so a caller that restarte
 ``mask.reference_fit_bits = 8`` sends a fit's (H, k) matrices as int8 with a float32 step per column (about half
 its bytes; both ends use the decoded values). ``mask.reference_code_metric = "fisher"`` weights the activation's
 code by the empirical Fisher of the boundary, from the gradients its sender receives (``observe_grad``); nothing
-changes on the wire.
+changes on the wire. ``mask.reference_code_grad = "project"`` has the sender apply the gradient it receives through
+its code's linear part (:func:`meshnode.compression.tc_grad`, in ``StageWorker.backward``): its weights are not
+pushed along the directions the code did not send, which the next stage never saw.
 """
 
 from __future__ import annotations
