@@ -62,6 +62,11 @@ class Transform:
     encoder: Tensor | None = field(default=None, compare=False)
 
     @property
+    def coder(self) -> Tensor:
+        """The projection that gives the coefficients: ``encoder`` where the sender has one, else ``basis``."""
+        return self.basis if self.encoder is None else self.encoder
+
+    @property
     def code_bits(self) -> int:
         """Bits per token of the packed codes."""
         return int(self.bits.to(torch.int64).sum())
@@ -180,7 +185,7 @@ def tc_encode(x: Tensor, tf: Transform) -> tuple[Tensor, Tensor]:
     rows = x.detach().float().reshape(-1, h)
     rms = rows.square().mean(-1).sqrt()
     unit = rows / torch.where(rms > 0, rms, torch.ones_like(rms))[:, None]
-    c = unit @ (tf.basis if tf.encoder is None else tf.encoder).float().to(x.device)  # (N, m)
+    c = unit @ tf.coder.float().to(x.device)  # (N, m)
     b = tf.bits.to(device=x.device, dtype=torch.int64)
     step = torch.tensor(TC_STEP, device=x.device)[b] * tf.scale.to(x.device)
     half = (1 << b)[None, :] // 2
@@ -212,7 +217,7 @@ def tc_grad(grad: Tensor, tf: Transform) -> Tensor:
     (``encoder``, or ``basis``): zero along every direction the code does not send."""
     dev = grad.device
     dec = tf.basis.float().to(dev)
-    enc = (tf.basis if tf.encoder is None else tf.encoder).float().to(dev)
+    enc = tf.coder.float().to(dev)
     return (grad.float() @ dec) @ enc.T
 
 

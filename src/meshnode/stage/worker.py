@@ -395,6 +395,7 @@ class StageWorker:
         return stats
 
     def _apply(self, params: list, total: Tensor | None, variance: dict, step: int, lr: float) -> None:
+        """Clip to ``train.grad_clip`` by the norm ``total`` already taken, and take the optimizer step."""
         clip = self.cfg.train.grad_clip
         try:
             if params and clip > 0:
