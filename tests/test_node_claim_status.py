@@ -277,6 +277,27 @@ def test_health_and_summary():
     assert "no driver" in " ".join(swarm_health([peer("b", 1), peer("c", 2)], 3))
 
 
+def test_skipped_steps_travel_in_the_record_and_warn_in_status():
+    """A stage replica that skipped optimizer steps (a non-finite gradient) says so in its record; status sums
+    them per stage, shows them and warns; an older peer's record without the field reads as none skipped."""
+    rec = PeerRecord.from_value(peer("b", 1, skipped_steps=3).to_value())
+    assert rec is not None and rec.skipped_steps == 3
+    old = {k: v for k, v in peer("b", 1).to_value().items() if k != "skipped_steps"}
+    assert PeerRecord.from_value(old).skipped_steps == 0
+    for bad in (-1, 1.5, "2"):
+        assert PeerRecord.from_value({**peer("b", 1).to_value(), "skipped_steps": bad}) is None, bad
+    snap = [peer("a", 0, "driver", driver_step=9), peer("b", 1, step=9), peer("c", 2, step=9)]
+    assert swarm_health(snap, 3)[0].startswith("ok")
+    snap += [peer("b2", 1, step=9, skipped_steps=2), peer("b3", 1, step=9, skipped_steps=1)]
+    snap.append(peer("b4", 1, state="offline", skipped_steps=5))  # gone: not counted
+    stages = summarize(snap, 3)
+    assert [st.skipped_steps for st in stages] == [0, 3, 0]
+    lines = swarm_health(snap, 3)
+    assert lines == ["warning: stage 1 skipped 3 optimizer steps for a non-finite gradient (weights kept; a bad "
+                     "payload or an overflow upstream)"]
+    assert status_json(snap, "run", 3)["stages"][1]["skipped_steps"] == 3
+
+
 def test_slowest_driver_step_waits_for_every_expected_driver():
     snap = [peer("a", 0, "driver", driver_step=40), peer("b", 1, step=40)]
     assert slowest_driver_step(snap, 1) == 40

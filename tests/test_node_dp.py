@@ -453,6 +453,32 @@ def test_a_replica_takes_one_step_per_train_microbatches_however_many_arrive(tin
     assert host.tokens == 6 * B * T and not host.worker.in_flight and not host._running
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_host_counts_the_steps_it_skipped_for_a_non_finite_gradient(tiny_cfg, cache_dir, bad):
+    """A microbatch whose backward leaves a NaN or inf in one weight's gradient: the replica's step is taken
+    as skipped (weights kept, StageWorker.step) and counted in ``skipped_steps`` (the peer record and
+    ``meshnode status`` show it); the next step trains and is not counted."""
+    import asyncio
+
+    cfg, host, mod, x, y = _last_stage_host(tiny_cfg, cache_dir, "train.microbatches=1")
+    weights = {n: t.clone() for n, t in mod.state_dict().items()}
+    param = next(p for p in mod.parameters() if p.requires_grad)
+    hook = param.register_hook(lambda g: torch.full_like(g, bad))
+
+    async def go():
+        await host.process(driver="d", step=0, mb=0, attempt=1, inputs=x, labels=y)
+        assert await host.wait_idle(30.0)
+        assert host.opt_step == 1 and host.skipped_steps == 1
+        assert all(torch.equal(weights[n], t) for n, t in mod.state_dict().items())
+        hook.remove()
+        await host.process(driver="d", step=1, mb=0, attempt=1, inputs=x, labels=y)
+        assert await host.wait_idle(30.0)
+        assert host.opt_step == 2 and host.skipped_steps == 1
+
+    asyncio.run(go())
+    assert not all(torch.equal(weights[n], t) for n, t in mod.state_dict().items())
+
+
 def _held_host(tiny_cfg, cache_dir):
     """A one-microbatch last-stage host whose first backward stays in flight until ``release`` is set:
     ``(host, labels, in_backward, release, request(driver, attempt))``."""

@@ -143,13 +143,14 @@ class MeshTrainer:
         lr = lr_at(step, cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
         losses = []
         tokens = 0
+        skipped = 0  # stage steps not taken: a non-finite gradient (StageWorker.step kept the weights)
         for r, workers in enumerate(self.workers):
             for m in range(cfg.train.microbatches):
                 ids = self.sources[r].batch(step * cfg.train.microbatches + m).to(self.device)
                 losses.append(self.run_microbatch(workers, MicrobatchId(step, m), ids))
                 tokens += ids.numel()
             for w in workers:
-                w.step(step, lr)
+                skipped += bool(w.step(step, lr)["skipped"])
         for ext in self.extensions:
             ext.after_step(self, step)
         self.step += 1
@@ -160,7 +161,10 @@ class MeshTrainer:
         self.losses.append(loss)
         M = cfg.train.microbatches
         by_replica = [sum(losses[r * M:(r + 1) * M]) / M for r in range(len(self.workers))]
-        return {"step": step, "tokens": self.tokens, "loss": loss, "lr": lr, "replica_loss": by_replica}
+        rec = {"step": step, "tokens": self.tokens, "loss": loss, "lr": lr, "replica_loss": by_replica}
+        if skipped:
+            rec["skipped_stages"] = skipped
+        return rec
 
     @torch.no_grad()
     def heldout_loss(self, replica: int = 0, batches: list[torch.Tensor] | None = None) -> float:

@@ -239,7 +239,8 @@ class SwarmNode:
             tokens=self.driver_tokens if self.role == "driver" else (host.tokens if host else 0),
             loss=_finite(self.last_loss if self.role == "driver" else (host.last_loss if host else None)),
             bytes={k: v for k, v in self.counter.snapshot().items() if k != "total"},
-            prior_step=self.prior_step, dp_syncs=host.dp_syncs() if host else 0, shard=self.shard,
+            prior_step=self.prior_step, dp_syncs=host.dp_syncs() if host else 0,
+            skipped_steps=host.skipped_steps if host else 0, shard=self.shard,
             movable=self.opts.rebalance_after is not None, busy=host.busy() if host else False,
         )
 

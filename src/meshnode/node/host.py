@@ -108,6 +108,7 @@ class StageHost:
         self._window: deque[tuple[float, int, float]] = deque()
         self._window_compute = 0.0  # compute_s at the last entry
         self.refused = 0
+        self.skipped_steps = 0  # optimizer steps not taken: the gradient held a NaN or inf (StageWorker.step)
         self.compute_s = 0.0  # seconds of forward + backward torch work on this host's thread (busy fraction)
         # emulated slower hardware (``meshnode join --slowdown``): each forward / backward holds the host's thread
         # this many times as long as its torch work took (the extra idles, leaving the CPU to other peers)
@@ -269,6 +270,8 @@ class StageHost:
         lr = lr_at(self.opt_step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
         stats = await self.run(self.worker.step, self.opt_step, lr)
         self.opt_step += 1
+        if stats.get("skipped"):  # a non-finite gradient: the weights were kept (the record and status show it)
+            self.skipped_steps += 1
         if self.worker.is_last:
             self.last_loss = float(stats["loss"])
             self.loss_history.append(self.last_loss)

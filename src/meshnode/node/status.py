@@ -26,6 +26,7 @@ class StageSummary:
     loss: float | None = None
     prior_step: int | None = None
     prior_age: int | None = None
+    skipped_steps: int = 0  # optimizer steps its peers skipped for a non-finite gradient (weights kept)
 
 
 def _live(peers: Sequence[PeerRecord]) -> list[PeerRecord]:
@@ -70,6 +71,7 @@ def summarize(peers: Sequence[PeerRecord], num_stages: int | None = None) -> lis
         st.tokens_per_s += p.throughput
         st.capacity += p.capacity
         st.step = max(st.step, p.step)
+        st.skipped_steps += p.skipped_steps
         if p.loss is not None and (p.stage == n - 1 or st.loss is None):
             st.loss = p.loss
         if p.prior_step is not None:
@@ -96,6 +98,10 @@ def swarm_health(peers: Sequence[PeerRecord], num_stages: int | None = None, *, 
     anchors = [p for p in live if p.role == "anchor"]
     if anchor_expected and not anchors:
         lines.append("warning: no anchor peer: fast peers train without a prior")
+    for st in stages:
+        if st.skipped_steps:
+            lines.append(f"warning: stage {st.stage} skipped {st.skipped_steps} optimizer steps for a non-finite "
+                         "gradient (weights kept; a bad payload or an overflow upstream)")
     if max_staleness is not None:
         for st in stages:
             if st.prior_age is not None and st.prior_age > max_staleness:
@@ -137,7 +143,7 @@ def render_table(status: dict[str, Any]):
     from rich.text import Text
 
     table = Table(title=f"swarm {status['run']} (driver step {status['driver_step']})")
-    for col in ("stage", "layers", "fast peers", "anchors", "tokens/s", "capacity", "step", "loss",
+    for col in ("stage", "layers", "fast peers", "anchors", "tokens/s", "capacity", "step", "skipped", "loss",
                 "prior age"):
         table.add_column(col, justify="right" if col not in ("fast peers", "layers") else "left")
     for st in status["stages"]:
@@ -145,7 +151,7 @@ def render_table(status: dict[str, Any]):
         table.add_row(
             str(st["stage"]), layers, ", ".join(p[-8:] for p in st["fast_peers"]) or "[red]none",
             str(len(st["anchor_peers"])), f"{st['tokens_per_s']:.0f}",
-            f"{st.get('capacity', 0.0):.0f}", str(st["step"]),
+            f"{st.get('capacity', 0.0):.0f}", str(st["step"]), str(st.get("skipped_steps", 0)),
             "-" if st["loss"] is None else f"{st['loss']:.4f}",
             "-" if st["prior_age"] is None else str(st["prior_age"]),
         )

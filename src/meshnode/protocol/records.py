@@ -6,7 +6,8 @@ pydantic schemas below are enforced by hivemind's :class:`SchemaValidator` on ev
 read. Records tolerate unknown fields (newer peers may add some) and expire; peers re-announce.
 
 The peer record says what ``meshnode status`` shows: role, stage, state, throughput, steps, recent
-loss, bytes sent per axis, the prior it holds. The prior record carries one targeted matrix's
+loss, bytes sent per axis, the prior it holds,
+the optimizer steps it skipped for a non-finite gradient. The prior record carries one targeted matrix's
 truncated factors (fp16 ``U (m, r)``, ``s (r,)``, ``Vh (r, n)``) of one anchor cycle; a header record
 per anchor names the cycle whose matrices are complete.
 """
@@ -49,6 +50,7 @@ class PeerRecordSchema(pydantic.BaseModel):
     bytes: dict[StrictStr, conint(strict=True, ge=0)] | None = None
     prior_step: StrictInt | None = None
     dp_syncs: conint(strict=True, ge=0) | None = None
+    skipped_steps: conint(strict=True, ge=0) | None = None  # optimizer steps skipped for a non-finite gradient
     shard: conint(strict=True, ge=0, le=65535) | None = None  # a driver's data shard (of dp.replicas)
     movable: StrictBool | None = None  # it moves into a stage left without peers (rebalancing)
     busy: StrictBool | None = None  # a microbatch, an optimizer step or a DP sync in progress when announced
@@ -111,6 +113,7 @@ class PeerRecord:
     bytes: dict[str, int] = field(default_factory=dict)
     prior_step: int | None = None
     dp_syncs: int = 0
+    skipped_steps: int = 0  # optimizer steps this stage replica skipped: its gradient was not finite
     shard: int | None = None
     movable: bool = False
     busy: bool = False
