@@ -298,6 +298,21 @@ def test_skipped_steps_travel_in_the_record_and_warn_in_status():
     assert status_json(snap, "run", 3)["stages"][1]["skipped_steps"] == 3
 
 
+def test_peers_with_different_reference_models_are_an_error_in_status():
+    rec = PeerRecord.from_value(peer("b", 1, reference="aa11").to_value())
+    assert rec is not None and rec.reference == "aa11"
+    assert PeerRecord.from_value(peer("b", 1).to_value()).reference is None  # no reference coding, or older
+    assert PeerRecord.from_value({**peer("b", 1).to_value(), "reference": "x" * 65}) is None
+    snap = [peer("a", 0, "driver", reference="aa11"), peer("b", 1, reference="aa11"),
+            peer("c", 2, reference="aa11"), peer("x", -1, "anchor")]
+    assert swarm_health(snap, 3)[0].startswith("ok")
+    snap.append(peer("c2", 2, reference="bb22"))
+    assert swarm_health(snap, 3) == ["error: peers code against different reference models (aa11: a, b, c; bb22: "
+                                     "c2): a boundary between two of them is refused"]
+    snap[-1] = peer("c2", 2, state="offline", reference="bb22")  # gone
+    assert swarm_health(snap, 3)[0].startswith("ok")
+
+
 def test_slowest_driver_step_waits_for_every_expected_driver():
     snap = [peer("a", 0, "driver", driver_step=40), peer("b", 1, step=40)]
     assert slowest_driver_step(snap, 1) == 40

@@ -85,6 +85,9 @@ def test_round_trip_dense_mask_rotq():
         (lambda r: r.update(held_codes=[[1, True]]), "held_codes"),
         (lambda r: r.update(held_codes="all"), "held_codes"),
         (lambda r: r.update(held_codes=[[1, 2]] * 65), "held_codes"),
+        (lambda r: r.update(reference=123), "reference"),
+        (lambda r: r.update(reference=""), "reference"),
+        (lambda r: r.update(reference="f" * 65), "reference"),
         (lambda r: (r["payload"]["tensors"].update(ref_code_scale=["float32", [33]]),
                     r["payload"]["data"].update(ref_code_scale=b"\x00" * 132)), "transform"),
         (lambda r: (r["payload"]["tensors"].update(ref_map_u_step=["float32", [4, 4]]),
@@ -96,6 +99,15 @@ def test_malformed_forward_is_refused(mutate, needle):
     mutate(req)
     with pytest.raises(WireError, match=needle):
         _parse(req)
+
+
+def test_the_reference_digest_travels_with_a_forward():
+    p = _payload()
+    b, t = p.shape[:2]
+    req = forward_request(run="r", driver="d", step=3, mb=1, attempt=7, boundary=0, mask_version=0, payload=p,
+                          labels=torch.randint(0, 260, (b, t)), vocab=260, reference="4d4989d44740684e")
+    assert _parse(req).reference == "4d4989d44740684e"
+    assert _parse(_request()).reference is None  # a caller without reference coding sends none
 
 
 def test_non_finite_values_are_refused():

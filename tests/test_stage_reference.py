@@ -61,6 +61,72 @@ def test_the_reference_is_frozen_and_does_not_follow_training(tiny_cfg):
     torch.testing.assert_close(ref.activation("k2", ids, 0), before, rtol=0, atol=0)
 
 
+def test_the_digest_names_the_frozen_weights(tiny_cfg):
+    """Two copies of the same pretrained stages share a digest; one weight moved by one step of its float, or
+    stored in another dtype, gives another (a peer with other weights decodes a residual wrong)."""
+    cfg = tiny_cfg("model.stages=2")
+    stages = _stages(cfg)
+    ref = ReferenceModel(stages)
+    assert len(ref.digest) == 16 and ReferenceModel(stages).digest == ref.digest
+    moved = ReferenceModel(stages)
+    with torch.no_grad():
+        w = next(moved.stages[1].parameters())
+        w.view(-1)[5] = torch.nextafter(w.view(-1)[5], torch.tensor(float("inf")))
+    assert moved.digest != ref.digest
+    assert ReferenceModel([m.to(torch.bfloat16) for m in stages]).digest != ref.digest
+
+
+def test_a_stage_refuses_a_caller_that_codes_against_other_weights(tiny_cfg):
+    """In the swarm each forward carries the digest of the caller's reference; the next stage refuses one unlike
+    its own (or none, from a caller that does not code against a reference) before it decodes anything, and
+    serves the same request from a caller with its own reference."""
+    import asyncio
+    import math
+
+    from meshnode.node.host import StageHost
+    from meshnode.protocol.limits import Limits
+    from meshnode.protocol.messages import WireError
+
+    cfg = tiny_cfg("model.stages=2", "mask.codec=rotq", "mask.bits=2", "mask.reference=both", "train.microbatches=1")
+    stages = _stages(cfg)
+    limits = Limits.from_config(cfg, cfg.model.tiny_hidden, cfg.model.tiny_vocab)
+    moved = ReferenceModel(stages)
+    with torch.no_grad():
+        next(moved.stages[0].parameters()).view(-1)[0] += 1e-3
+    callee: dict = {}
+    drop_digest = [False]
+
+    async def call_next(stage, build):
+        req = build(1, "p")
+        if drop_digest[0]:
+            req.pop("reference")
+        return await callee["host"].forward(req)
+
+    def host(stage, ref, call=None):
+        w = StageWorker(stages[stage], cfg)
+        w.reference = ref
+        return StageHost(w, cfg, limits, "run", call_next=call)
+
+    sender = host(0, ReferenceModel(stages), call_next)
+    ids = torch.randint(0, 200, (cfg.train.batch_size, cfg.data.seq_len))
+
+    async def go():
+        callee["host"] = host(1, moved)
+        with pytest.raises(WireError, match=f"reference model {sender.reference_digest} is not this peer's "
+                                            f"{moved.digest}"):
+            await sender.process(driver="d", step=0, mb=0, attempt=1, inputs=ids, labels=ids)
+        assert callee["host"].tokens == 0 and not callee["host"].worker.in_flight
+        callee["host"] = host(1, ReferenceModel(stages))
+        drop_digest[0] = True
+        with pytest.raises(WireError, match="codes against no reference"):
+            await sender.process(driver="d", step=0, mb=0, attempt=2, inputs=ids, labels=ids)
+        drop_digest[0] = False
+        _, loss = await sender.process(driver="d", step=0, mb=0, attempt=3, inputs=ids, labels=ids)
+        assert math.isfinite(loss) and callee["host"].tokens == ids.numel()
+
+    asyncio.run(go())
+
+
 def test_input_grad_is_the_frozen_suffix_gradient(tiny_cfg):
     cfg = tiny_cfg("model.stages=3")
     stages = _stages(cfg)

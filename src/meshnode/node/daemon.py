@@ -221,6 +221,7 @@ class SwarmNode:
         if reference is not None:
             reference.autocast = worker.autocast
             worker.reference = reference
+            logger.info("reference model %s (its digest: the next stage accepts only the same)", reference.digest)
         limits = Limits.from_config(self.cfg, hidden, vocab)
         return StageHost(worker, self.cfg, limits, self.run_id, call_next=self._call_next, threads=self.opts.threads,
                          slowdown=self.opts.slowdown)
@@ -240,7 +241,8 @@ class SwarmNode:
             loss=_finite(self.last_loss if self.role == "driver" else (host.last_loss if host else None)),
             bytes={k: v for k, v in self.counter.snapshot().items() if k != "total"},
             prior_step=self.prior_step, dp_syncs=host.dp_syncs() if host else 0,
-            skipped_steps=host.skipped_steps if host else 0, shard=self.shard,
+            skipped_steps=host.skipped_steps if host else 0, reference=host.reference_digest if host else None,
+            shard=self.shard,
             movable=self.opts.rebalance_after is not None, busy=host.busy() if host else False,
         )
 

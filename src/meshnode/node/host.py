@@ -381,6 +381,7 @@ class StageHost:
                             run=self.run_id, driver=driver, step=step, mb=mb, attempt=attempt_next,
                             boundary=self.stage, mask_version=self.cfg.mask.version, payload=out, labels=labels,
                             vocab=vocab, held_codes=list(held.maps) if held is not None else None,
+                            reference=self.reference_digest,
                         )
 
                     t_call = time.time()
@@ -416,6 +417,25 @@ class StageHost:
             # (the replica would never step again)
             await asyncio.shield(self._leave(completed))
 
+    @property
+    def reference_digest(self) -> str | None:
+        """Reference coding (``mask.reference``): the digest of the frozen model this peer codes against, which
+        each forward request carries and the next stage checks against its own (None: no reference). Computed
+        once (a hash of every weight: about a second for SmolLM2-135M; the daemon takes it while building)."""
+        ref = self.worker.reference
+        return ref.digest if ref is not None else None
+
+    def _reference_mismatch(self, theirs: str | None) -> str:
+        mine = self.reference_digest
+        if mine is None:
+            return (f"the caller codes against a reference model ({theirs}) and this peer against none: the peers' "
+                    "mask.reference differs")
+        if theirs is None:
+            return ("the caller codes against no reference model (its mask.reference differs, or it runs an older "
+                    f"meshnode) and this peer against {mine}")
+        return (f"the caller's reference model {theirs} is not this peer's {mine}: they hold different pretrained "
+                "weights, and a payload coded against one decodes wrong against the other")
+
     def _with_map(self, payload: EncodedPayload, key: tuple) -> EncodedPayload:
         """``payload`` carrying the residual map it names (its bytes count on the forward axis)."""
         return self._attach_fit(payload, self.worker.map_out, key, "pp_fwd", "residual map", StageError)
@@ -447,6 +467,8 @@ class StageHost:
             raise WireError("stage 0 takes no forward requests (it is fed by its driver)")
         req = parse_forward(request, self.limits, run=self.run_id, stage=self.stage,
                             mask_version=self.cfg.mask.version)
+        if req.reference != self.reference_digest:
+            raise WireError(self._reference_mismatch(req.reference))
         self._check_replay(req.driver, req.step, req.mb, req.attempt)
         self.driver_step = max(self.driver_step, req.step)
         try:

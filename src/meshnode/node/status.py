@@ -98,6 +98,14 @@ def swarm_health(peers: Sequence[PeerRecord], num_stages: int | None = None, *, 
     anchors = [p for p in live if p.role == "anchor"]
     if anchor_expected and not anchors:
         lines.append("warning: no anchor peer: fast peers train without a prior")
+    refs: dict[str, list[str]] = {}
+    for p in live:
+        if p.reference is not None:
+            refs.setdefault(p.reference, []).append(p.peer_id[-8:])
+    if len(refs) > 1:
+        held = "; ".join(f"{d}: {', '.join(ids)}" for d, ids in sorted(refs.items()))
+        lines.append(f"error: peers code against different reference models ({held}): a boundary between two of "
+                     "them is refused")
     for st in stages:
         if st.skipped_steps:
             lines.append(f"warning: stage {st.stage} skipped {st.skipped_steps} optimizer steps for a non-finite "

@@ -12,7 +12,9 @@ dtype allowlist, byte length == prod(shape) * itemsize, finite values. Anything 
 Message fields (all msgpack maps; readers ignore keys they do not know):
 
 ``forward``  run, driver, step, mb, attempt, boundary, mask_version, payload (stage > 0) and labels
-             (token ids, uint16 when the vocabulary fits, else int32; they travel to the last stage).
+             (token ids, uint16 when the vocabulary fits, else int32; they travel to the last stage);
+             optional held_codes (the gradient codes the caller holds) and reference (the digest of the
+             frozen model a reference-coded caller codes against; the callee refuses one unlike its own).
 ``backward`` run, driver, step, mb, attempt, boundary, payload (a gradient).
 reply        ok (bool), error (str, when not ok), loss (float), payload (the gradient for the caller).
 """
@@ -238,7 +240,7 @@ class MicrobatchRequest:
     """A validated forward or backward request (tensors rebuilt, ids checked)."""
 
     __slots__ = ("kind", "run", "driver", "step", "mb", "attempt", "boundary", "mask_version", "payload", "labels",
-                 "held_codes")
+                 "held_codes", "reference")
 
     def __init__(self, **kw: Any) -> None:
         for k in self.__slots__:
@@ -255,9 +257,12 @@ MAX_HELD_CODES = 64  # gradient transform codes a caller may say it holds (16 se
 def forward_request(
     *, run: str, driver: str, step: int, mb: int, attempt: int, boundary: int, mask_version: int,
     payload: EncodedPayload, labels: Tensor, vocab: int, held_codes: list[tuple[int, int]] | None = None,
+    reference: str | None = None,
 ) -> dict[str, Any]:
     """``held_codes``: the (sender, version) of the gradient transform codes (``mask.reference_grad_code_bits``)
-    the caller holds, so that the callee attaches its own with the gradient when the caller lacks it."""
+    the caller holds, so that the callee attaches its own with the gradient when the caller lacks it.
+    ``reference``: the digest of the frozen pretrained model the caller codes against (``mask.reference``), which
+    the callee's must equal (:attr:`meshnode.stage.ReferenceModel.digest`)."""
     obj = {
         "v": PROTOCOL_VERSION, "type": "forward", "run": run, "driver": driver, "step": step, "mb": mb,
         "attempt": attempt, "boundary": boundary, "mask_version": mask_version,
@@ -265,6 +270,8 @@ def forward_request(
     }
     if held_codes:
         obj["held_codes"] = [[int(a), int(b)] for a, b in held_codes]
+    if reference is not None:
+        obj["reference"] = reference
     return obj
 
 
@@ -293,6 +300,10 @@ def parse_forward(
     if tuple(req.labels.shape) != tuple(req.payload.shape[:2]):
         raise WireError(f"labels {list(req.labels.shape)} do not match the payload's (B, T) {req.payload.shape[:2]}")
     req.held_codes = _held_codes(obj)
+    ref = obj.get("reference")
+    if ref is not None and (not isinstance(ref, str) or not 0 < len(ref) <= 64):
+        raise WireError("reference must be a digest string of at most 64 characters")
+    req.reference = ref
     return req
 
 

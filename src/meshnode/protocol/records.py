@@ -6,10 +6,10 @@ pydantic schemas below are enforced by hivemind's :class:`SchemaValidator` on ev
 read. Records tolerate unknown fields (newer peers may add some) and expire; peers re-announce.
 
 The peer record says what ``meshnode status`` shows: role, stage, state, throughput, steps, recent
-loss, bytes sent per axis, the prior it holds,
-the optimizer steps it skipped for a non-finite gradient. The prior record carries one targeted matrix's
-truncated factors (fp16 ``U (m, r)``, ``s (r,)``, ``Vh (r, n)``) of one anchor cycle; a header record
-per anchor names the cycle whose matrices are complete.
+loss, bytes sent per axis, the prior it holds, the optimizer steps it skipped for a non-finite
+gradient, the digest of the reference model it codes against. The prior record carries one targeted
+matrix's truncated factors (fp16 ``U (m, r)``, ``s (r,)``, ``Vh (r, n)``) of one anchor cycle; a
+header record per anchor names the cycle whose matrices are complete.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class PeerRecordSchema(pydantic.BaseModel):
     prior_step: StrictInt | None = None
     dp_syncs: conint(strict=True, ge=0) | None = None
     skipped_steps: conint(strict=True, ge=0) | None = None  # optimizer steps skipped for a non-finite gradient
+    reference: constr(strict=True, min_length=1, max_length=64) | None = None  # digest of its frozen reference
     shard: conint(strict=True, ge=0, le=65535) | None = None  # a driver's data shard (of dp.replicas)
     movable: StrictBool | None = None  # it moves into a stage left without peers (rebalancing)
     busy: StrictBool | None = None  # a microbatch, an optimizer step or a DP sync in progress when announced
@@ -114,6 +115,7 @@ class PeerRecord:
     prior_step: int | None = None
     dp_syncs: int = 0
     skipped_steps: int = 0  # optimizer steps this stage replica skipped: its gradient was not finite
+    reference: str | None = None  # reference coding: the digest of the frozen pretrained model (None: not coded)
     shard: int | None = None
     movable: bool = False
     busy: bool = False

@@ -59,6 +59,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -102,11 +103,27 @@ class ReferenceModel:
         self._acts: OrderedDict[Hashable, tuple[Tensor, list[Tensor]]] = OrderedDict()
         self._grads: OrderedDict[tuple[Hashable, int], tuple[Tensor, Tensor, Tensor]] = OrderedDict()
         self.stage_forwards = 0  # frozen stage passes computed (not served from the cache)
+        self._digest: str | None = None
         self.stage_backwards = 0
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def digest(self) -> str:
+        """A short hash of every stage's frozen weights (names, dtypes, shapes, bytes), computed once: two peers
+        whose boundaries are coded against the reference must hold the same one (a sender's residual decodes to
+        the right activation only against the sender's own reference), and the swarm compares these."""
+        if self._digest is None:
+            h = hashlib.sha256()
+            for s, m in enumerate(self.stages):
+                for name, t in sorted(m.state_dict().items()):
+                    t = t.detach().cpu()
+                    h.update(f"{s}/{name}/{t.dtype}/{tuple(t.shape)};".encode())
+                    h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+            self._digest = h.hexdigest()[:16]
+        return self._digest
 
     def _dtype(self, s: int) -> torch.dtype:
         return next(self.stages[s].parameters()).dtype
