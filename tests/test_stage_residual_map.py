@@ -184,6 +184,35 @@ def test_a_worker_refuses_a_map_it_never_got_or_does_not_use(tiny_cfg, cache_dir
     assert not other.workers[0][1].in_flight
 
 
+def test_finite_values_that_overflow_in_decoding_are_refused_with_the_microbatch(tiny_cfg, cache_dir):
+    """Every payload tensor is checked finite, but a finite map (1e30 in bf16) or gradient scale (3e38 in float32)
+    can overflow once decoded: the stage refuses that microbatch (StageError) before anything reaches its
+    graph or its accumulated gradient, and serves the genuine payload afterwards. Before, the inf went on into
+    the next stage's activations or this stage's gradient."""
+    from meshnode.stage import StageError
+
+    t = MeshTrainer(tiny_cfg(*MAPPED, "mask.reference_map_rank=4", "mask.reference_map_period=1"), cache_dir)
+    t.train_step()
+    w0, w1, w2 = t.workers[0]
+    ids = t.sources[0].batch(50)
+    mb = MicrobatchId(50, 0)
+    payload = w0.forward(mb, ids, labels=ids)
+    assert set(MAP_TENSORS) <= set(payload.tensors)
+    huge = {**payload.tensors, **{n: torch.full_like(payload.tensors[n], 1e30) for n in MAP_TENSORS}}
+    with pytest.raises(StageError, match="decoded input is not finite"):
+        w1.forward(mb, dataclasses.replace(payload, tensors=huge), labels=ids)
+    assert not w1.in_flight
+    w2.forward(mb, w1.forward(mb, payload, labels=ids), labels=ids)  # the genuine map replaces the bad one
+    grad = w2.backward(mb, None)
+    bad = dataclasses.replace(grad, tensors={**grad.tensors, "rms": torch.full_like(grad.tensors["rms"], 3e38)})
+    with pytest.raises(StageError, match="decoded gradient is not finite"):
+        w1.backward(mb, bad)
+    assert all(p.grad is None or not p.grad.any() for p in w1.module.parameters())
+    w1.backward(mb, grad)
+    assert all(bool(torch.isfinite(p.grad).all()) for p in w1.module.parameters() if p.grad is not None)
+    assert any(p.grad is not None and p.grad.any() for p in w1.module.parameters())
+
+
 def test_config_refuses_a_map_without_a_reference_or_period(tiny_cfg):
     with pytest.raises(ConfigError, match="needs mask.reference"):
         tiny_cfg("mask.codec=rotq", "mask.reference_map_rank=8")

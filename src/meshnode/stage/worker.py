@@ -265,7 +265,11 @@ class StageWorker:
                 x = x.float() + h_ref
                 if fit is not None:
                     x = x + fit.predict(h_ref)
-            x = x.to(self._dtype()).requires_grad_(True)
+            x = x.to(self._dtype())
+            if not bool(torch.isfinite(x).all()):  # every payload tensor is finite: this is an overflow in decoding
+                raise StageError(f"stage {self.index}: the decoded input is not finite (a payload or residual map "
+                                 "whose finite values overflow); microbatch refused")
+            x = x.requires_grad_(True)
             tokens = x.shape[0] * x.shape[1]
         with self.autocast():
             out = self.module(x)
@@ -330,7 +334,11 @@ class StageWorker:
                 self.map_out.observe_grad(g)  # the Fisher metric of its code (mask.reference_code_metric)
             if self.cfg.mask.reference_code_grad == "project" and state.ctx_out.transform is not None:
                 g = tc_grad(g, state.ctx_out.transform)  # only along what the code sent
-            state.outputs.backward(g.to(state.outputs.dtype))
+            g = g.to(state.outputs.dtype)
+            if not bool(torch.isfinite(g).all()):  # before anything reaches the accumulated gradient
+                raise StageError(f"stage {self.index}: the decoded gradient is not finite (a payload or code whose "
+                                 "finite values overflow); microbatch refused")
+            state.outputs.backward(g)
         del self.in_flight[mb]
         if self.noise is not None:
             self.noise.after_microbatch()
