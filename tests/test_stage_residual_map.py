@@ -213,6 +213,30 @@ def test_finite_values_that_overflow_in_decoding_are_refused_with_the_microbatch
     assert any(p.grad is not None and p.grad.any() for p in w1.module.parameters())
 
 
+@pytest.mark.parametrize("extra", [(), ("mask.reference_code_metric=fisher", "mask.reference_fit_bits=8",
+                                         "mask.reference_code_grad=project")], ids=["plain", "fisher_f8_proj"])
+def test_resume_with_maps_and_codes_is_bit_identical(tiny_cfg, cache_dir, tmp_path, extra):
+    """A checkpoint holds reference coding's fits both ways (maps, codes, gradient codes, and the statistics since
+    the last fit): the resumed run trains bit for bit as the uninterrupted one. Before, the resumed workers had
+    none until the next fit and the losses differed from the step after the checkpoint."""
+    cfg = tiny_cfg(*MAPPED, "train.steps=6", "train.bf16=false", "mask.reference_map_rank=4",
+                   "mask.reference_map_period=2", "mask.reference_code_bits=64", "mask.reference_grad_code_bits=32",
+                   *extra)
+    straight = MeshTrainer(cfg, cache_dir)
+    straight.train()
+    first = MeshTrainer(cfg, cache_dir)
+    first.train(until=5, checkpoint_dir=tmp_path / "ckpt")  # between fits (period 2): statistics in flight
+    resumed = MeshTrainer(cfg, cache_dir)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert resumed.workers[0][0].map_out.version == first.workers[0][0].map_out.version >= 2
+    resumed.train()
+    assert resumed.losses == straight.losses
+    other = MeshTrainer(tiny_cfg(*MAPPED, "mask.reference_map_rank=8", "mask.reference_map_period=2",
+                                 "mask.reference_code_bits=64", "mask.reference_grad_code_bits=32", *extra), cache_dir)
+    with pytest.raises(ValueError, match="does not fit"):  # its maps are of rank 8: the checkpoint's of rank 4
+        other.load_checkpoint(tmp_path / "ckpt")
+
+
 def test_config_refuses_a_map_without_a_reference_or_period(tiny_cfg):
     with pytest.raises(ConfigError, match="needs mask.reference"):
         tiny_cfg("mask.codec=rotq", "mask.reference_map_rank=8")

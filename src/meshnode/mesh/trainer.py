@@ -228,19 +228,21 @@ class MeshTrainer:
     # checkpoints
 
     def save_checkpoint(self, directory: Path) -> Path:
-        """Write weights, optimizer state, DP/anchor state and the step; atomically replaces ``directory``."""
+        """Write weights, optimizer state, reference coding's fits, DP/anchor state and the step; atomically
+        replaces ``directory``."""
         directory = Path(directory)
         tmp = directory.with_name(directory.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        optim = {}
+        optim, fits = {}, {}
         for r, workers in enumerate(self.workers):
             for w in workers:
                 weights = {k: v.detach().contiguous() for k, v in w.module.state_dict().items()}
                 save_file(weights, str(tmp / f"replica{r}-stage{w.index}.safetensors"))
                 optim[f"{r}.{w.index}"] = w.optimizer_state()
+                fits[f"{r}.{w.index}"] = w.fit_state()
         ext_state = {type(e).__name__: e.state_dict() for e in self.extensions}
-        torch.save({"optim": optim, "extensions": ext_state}, tmp / "state.pt")
+        torch.save({"optim": optim, "extensions": ext_state, "fits": fits}, tmp / "state.pt")
         meta = {
             "format": CHECKPOINT_FORMAT, "step": self.step, "tokens": self.tokens, "losses": self.losses,
             "bytes": self.counter.snapshot(), "run_id": self.cfg.run_id, "config": self.cfg.to_dict(),
@@ -274,6 +276,9 @@ class MeshTrainer:
             for w in workers:
                 w.module.load_state_dict(load_file(str(directory / f"replica{r}-stage{w.index}.safetensors")))
                 w.load_optimizer_state(state["optim"][f"{r}.{w.index}"])
+                fits = state.get("fits", {}).get(f"{r}.{w.index}")  # reference coding's maps and codes
+                if fits is not None:
+                    w.load_fit_state(fits)
         for e in self.extensions:
             e.load_state_dict(state["extensions"][type(e).__name__])
         self.step = int(meta["step"])

@@ -247,6 +247,20 @@ class MapFit:
         return apply_map(h_ref, self.u.to(h_ref.device), self.v.to(h_ref.device))
 
 
+def _fit_state(fit: MapFit) -> dict:
+    """A :class:`MapFit` as plain containers of tensors (what ``torch.load(weights_only=True)`` reads back)."""
+    tf = fit.transform
+    return {"u": fit.u, "v": fit.v, "wire": fit.wire,
+            "transform": None if tf is None else {"basis": tf.basis, "scale": tf.scale, "bits": tf.bits,
+                                                  "encoder": tf.encoder}}
+
+
+def _fit_from_state(state: dict) -> MapFit:
+    tf = state["transform"]
+    transform = None if tf is None else Transform(tf["basis"], tf["scale"], tf["bits"], encoder=tf["encoder"])
+    return MapFit(state["u"], state["v"], transform, state["wire"])
+
+
 def _eight_bit(name: str, x: Tensor, wire: dict[str, Tensor]) -> Tensor:
     """Put the (H, k) matrix ``x`` in ``wire`` as payload tensor ``name`` in 8 bits per value with a float32 step per
     column (``mask.reference_fit_bits = 8``); returns the values both ends decode from it (float32)."""
@@ -342,6 +356,36 @@ class ResidualMap:
         self.tokens = 0
         self.ggt = zeros() if self.fisher else None  # sum g g^T of the gradients observed (fisher)
         self.grad_tokens = 0
+
+    _STATS = ("xtx", "xtr", "wxx", "wxr", "wrr", "ggt")
+
+    def _settings(self) -> dict:
+        return {"hidden": self.hidden, "rank": self.rank, "code_bits": self.code_bits, "fit_bits": self.fit_bits,
+                "fisher": self.fisher, "centre": self.centre}
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to code as the uninterrupted one would (a checkpoint): this sender's id, the fits
+        it holds, and the statistics gathered since the last fit."""
+        return {
+            "settings": self._settings(), "sender": self.sender, "version": self.version, "shipped": self.shipped,
+            "history": [[k, _fit_state(f)] for k, f in self.history.items()],
+            "stats": {k: getattr(self, k) for k in self._STATS if getattr(self, k) is not None},
+            "tokens": self.tokens, "grad_tokens": self.grad_tokens,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; ValueError (nothing changed) if it was written with another width or other
+        ``mask.reference_*`` settings."""
+        mine = {k for k in self._STATS if getattr(self, k) is not None}
+        if state["settings"] != self._settings() or set(state["stats"]) != mine or any(
+                tuple(t.shape) != (self.hidden, self.hidden) for t in state["stats"].values()):
+            raise ValueError(f"residual map state {state['settings']} does not fit this one {self._settings()}")
+        history = OrderedDict((int(k), _fit_from_state(f)) for k, f in state["history"])
+        self.sender, self.version, self.shipped = int(state["sender"]), int(state["version"]), bool(state["shipped"])
+        self.history = history
+        for k, t in state["stats"].items():
+            setattr(self, k, t.detach().to("cpu", torch.float64).clone())
+        self.tokens, self.grad_tokens = int(state["tokens"]), int(state["grad_tokens"])
 
     @torch.no_grad()
     def observe_grad(self, grad: Tensor) -> None:
@@ -552,6 +596,19 @@ class MapStore:
         if key is None:
             return torch.zeros_like(h_ref, dtype=torch.float32)
         return self.get(key).predict(h_ref)
+
+    def state_dict(self) -> dict:
+        """The maps held, in their order (a checkpoint of the in-process mesh, whose senders do not send again)."""
+        return {"settings": self._settings(), "maps": [[a, b, _fit_state(f)] for (a, b), f in self.maps.items()]}
+
+    def _settings(self) -> dict:
+        return {"hidden": self.hidden, "rank": self.rank, "code_bits": self.code_bits, "fit_bits": self.fit_bits,
+                "fisher": self.fisher}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["settings"] != self._settings():
+            raise ValueError(f"map store state {state['settings']} does not fit this one {self._settings()}")
+        self.maps = OrderedDict(((int(a), int(b)), _fit_from_state(f)) for a, b, f in state["maps"])
 
 
 def map_bytes(hidden: int, rank: int) -> int:

@@ -188,11 +188,7 @@ class StageWorker:
             return payload, None
         if ref is None or not (rank or bits):
             raise StageError(f"stage {self.index}: the payload names a {what}, which this boundary does not use")
-        if getattr(self, store) is None:
-            m = self.cfg.mask
-            setattr(self, store, MapStore(payload.shape[-1], rank, code_bits=bits, fit_bits=m.reference_fit_bits,
-                                          fisher=store == "map_in" and m.reference_code_metric == "fisher"))
-        held: MapStore = getattr(self, store)
+        held = self._store(store, payload.shape[-1])
         try:
             payload, key = held.take(payload)
             return payload, None if key is None else held.get(key)
@@ -200,6 +196,39 @@ class StageWorker:
             raise StageError(f"stage {self.index}: {exc}") from None
         except KeyError as exc:
             raise StageError(f"stage {self.index}: {what}: {exc.args[0]}") from None
+
+    def _store(self, store: str, hidden: int) -> MapStore:
+        """The receiver's fits of one direction (``map_in``: residual maps and codes; ``gcode_in``: gradient
+        codes), built on first use."""
+        if getattr(self, store) is None:
+            m = self.cfg.mask
+            rank, bits = ((m.reference_map_rank, m.reference_code_bits) if store == "map_in"
+                          else (0, m.reference_grad_code_bits))
+            setattr(self, store, MapStore(hidden, rank, code_bits=bits, fit_bits=m.reference_fit_bits,
+                                          fisher=store == "map_in" and m.reference_code_metric == "fisher"))
+        return getattr(self, store)
+
+    def fit_state(self) -> dict:
+        """Reference coding's fits, both ways (``mask.reference_map_rank``, ``_code_bits``, ``_grad_code_bits``):
+        this stage's own maps and codes and those it was sent, for a checkpoint (None where none is built)."""
+        return {name: None if getattr(self, name) is None else getattr(self, name).state_dict()
+                for name in ("map_out", "map_in", "gcode_out", "gcode_in")}
+
+    def load_fit_state(self, state: dict) -> None:
+        """Restore :meth:`fit_state` (a resumed run codes as the uninterrupted one); ValueError if it does not fit
+        this run's settings."""
+        for name, st in state.items():
+            if st is None:
+                setattr(self, name, None)
+                continue
+            hidden = int(st["settings"]["hidden"])
+            if name in ("map_in", "gcode_in"):
+                held = self._store(name, hidden)
+            else:
+                held = self._residual_map(hidden) if name == "map_out" else self._grad_code(hidden)
+            if held is None:
+                raise ValueError(f"stage {self.index}: the checkpoint holds a {name} this run does not use")
+            held.load_state_dict(st)
 
     def _grad_code(self, hidden: int) -> ResidualMap | None:
         """The transform code of the gradient this stage sends back (``mask.reference_grad_code_bits``), or None."""
