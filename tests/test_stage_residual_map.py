@@ -3,6 +3,7 @@ from the pretrained value itself and codes what the prediction misses."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -235,6 +236,50 @@ def test_resume_with_maps_and_codes_is_bit_identical(tiny_cfg, cache_dir, tmp_pa
                                  "mask.reference_code_bits=64", "mask.reference_grad_code_bits=32", *extra), cache_dir)
     with pytest.raises(ValueError, match="does not fit"):  # its maps are of rank 8: the checkpoint's of rank 4
         other.load_checkpoint(tmp_path / "ckpt")
+
+
+def test_a_peers_state_carries_its_own_fits_under_a_new_sender(tiny_cfg, cache_dir, caplog):
+    """A swarm peer's state (its checkpoint, or what a joining peer of its stage fetches) holds its own maps and
+    codes with the statistics since the last fit; they load under a new sender id (receivers holding the old id's
+    maps are sent these afresh). A state of other settings loads its weights and drops the fits, with a warning."""
+    from meshnode.model import cut_model, load_model
+    from meshnode.node.host import StageHost
+    from meshnode.protocol.limits import Limits
+    from meshnode.stage import ReferenceModel, StageWorker
+
+    over = ("model.stages=2", "mask.codec=rotq", "mask.bits=1", "mask.reference=both", "mask.reference_code_bits=64",
+            "mask.reference_map_period=1000", "mask.reference_grad_code_bits=32")
+    model, _ = load_model(tiny_cfg().model, cache_dir)
+    hidden = tiny_cfg().model.tiny_hidden
+
+    def host(*extra):
+        cfg = tiny_cfg(*over, *extra)
+        cut = cut_model(model, 2)
+        w = StageWorker(copy.deepcopy(cut[0]), cfg)  # its own weights (the cut shares the model's)
+        w.reference = ReferenceModel([cut[0], cut[1]])
+        return StageHost(w, cfg, Limits.from_config(cfg, hidden, cfg.model.tiny_vocab), "run")
+
+    a = host("mask.reference_map_rank=4")
+    maps = a.worker._residual_map(hidden)
+    for _ in range(3):
+        maps.observe(torch.randn(2, 64, hidden), torch.randn(2, 64, hidden))
+    assert maps.refit()
+    maps.observe(torch.randn(2, 64, hidden), torch.randn(2, 64, hidden))  # statistics toward the next fit
+    with torch.no_grad():
+        next(a.worker.module.parameters()).add_(0.01)  # trained: unlike the pretrained weights
+    blob = a._state_blob()
+    b = host("mask.reference_map_rank=4")
+    b.load_state_blob(blob)
+    got = b.worker.map_out
+    assert got.version == maps.version == 1 and got.sender != maps.sender and got.tokens == maps.tokens == 128
+    assert torch.equal(got.u, maps.u) and torch.equal(got.transform.basis, maps.transform.basis)
+    assert torch.equal(got.xtx, maps.xtx) and b.worker.map_in is None  # what it was sent is not carried
+    c = host("mask.reference_map_rank=8")
+    assert not torch.equal(next(c.worker.module.parameters()), next(a.worker.module.parameters()))
+    with caplog.at_level("WARNING", logger="meshnode.node.host"):
+        c.load_state_blob(blob)
+    assert "do not fit this run" in caplog.text and c.worker.map_out.version == 0
+    assert all(torch.equal(x, y) for x, y in zip(c.worker.module.parameters(), a.worker.module.parameters()))
 
 
 def test_config_refuses_a_map_without_a_reference_or_period(tiny_cfg):

@@ -587,6 +587,8 @@ class StageHost:
             "weights": self._weights_snapshot(), "optimizer": self.worker.optimizer_state(),
             "opt_step": self.opt_step, "driver_step": self.driver_step,
             "dp": None if self.dp is None else self.dp.state_dict(),
+            # reference coding: this stage's own maps and codes (not those it was sent: their senders send again)
+            "fits": {k: v for k, v in self.worker.fit_state().items() if k in ("map_out", "gcode_out")},
         }
         torch.save(state, buf)
         return buf.getvalue()
@@ -634,6 +636,12 @@ class StageHost:
         self.driver_step = int(state["driver_step"])
         if self.dp is not None and state.get("dp") is not None:
             self.dp.load_state_dict(state["dp"])
+        if state.get("fits"):
+            try:  # under a new sender id: receivers that hold the old one's maps are sent these afresh
+                self.worker.load_fit_state(state["fits"], fresh_sender=True)
+            except (ValueError, KeyError, TypeError) as exc:
+                logger.warning("stage %d: the state's reference maps and codes do not fit this run (%s); they are "
+                               "fitted again", self.stage, exc)
 
 
 def tensor_chunks(tensors: dict[str, torch.Tensor], half: bool = False):

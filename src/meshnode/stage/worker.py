@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import secrets
 from dataclasses import dataclass, field
 
 import torch
@@ -214,9 +215,10 @@ class StageWorker:
         return {name: None if getattr(self, name) is None else getattr(self, name).state_dict()
                 for name in ("map_out", "map_in", "gcode_out", "gcode_in")}
 
-    def load_fit_state(self, state: dict) -> None:
+    def load_fit_state(self, state: dict, fresh_sender: bool = False) -> None:
         """Restore :meth:`fit_state` (a resumed run codes as the uninterrupted one); ValueError if it does not fit
-        this run's settings."""
+        this run's settings. ``fresh_sender``: this stage's own fits under a new sender id (a swarm peer, whose
+        restored maps must not be taken for what receivers hold of the same id)."""
         for name, st in state.items():
             if st is None:
                 setattr(self, name, None)
@@ -229,6 +231,8 @@ class StageWorker:
             if held is None:
                 raise ValueError(f"stage {self.index}: the checkpoint holds a {name} this run does not use")
             held.load_state_dict(st)
+            if fresh_sender and isinstance(held, ResidualMap):
+                held.sender = secrets.randbits(31)
 
     def _grad_code(self, hidden: int) -> ResidualMap | None:
         """The transform code of the gradient this stage sends back (``mask.reference_grad_code_bits``), or None."""
