@@ -81,6 +81,7 @@ def main() -> None:
         "model": cfg.model.source, "stages": cfg.model.stages, "model_load_s": round(load_s, 2),
         "staged_vs_full_max_abs_diff_fp32": max_diff,
         "steps": args.steps, "batch": [cfg.train.batch_size, cfg.data.seq_len], "bf16": cfg.train.bf16,
+        "bf16_autocast": trainer.workers[0][0].bf16,
         "lr": cfg.train.lr, "tokens_per_s": final["tokens_per_s"], "train_wall_s": round(train_s, 1),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "heldout_before": before, "heldout_after": after,

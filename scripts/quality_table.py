@@ -431,6 +431,7 @@ def main() -> None:
     # the fixed evaluation sets: held-out windows of both corpora, tokenised with the model's tokenizer
     base = MeshTrainer(load_config(ROOT / "configs" / TASKS["domain"], [
         f"train.eval_batches={args.eval_batches}", f"train.device={args.device}"]), Path(args.cache_dir))
+    data["machine"]["bf16_autocast"] = base.workers[0][0].bf16  # train.bf16 as resolved here ("auto": measured)
     eval_sets = {}
     for corpus, cfg_name in EVAL_CONFIGS.items():
         c = load_config(ROOT / "configs" / cfg_name)

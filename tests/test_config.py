@@ -41,6 +41,8 @@ def test_overrides_and_run_id():
         ({}, ["dp.matchmaking_time=20.0"], "dp.matchmaking_time: 20.0 s must be below dp.round_timeout"),
         ({}, ["dp.matchmaking_time=0"], "dp.matchmaking_time: must be > 0"),
         ({}, ["dp.clock=\"wall\""], "dp.clock: 'wall' is not one of"),
+        ({}, ["train.bf16=\"maybe\""], "train.bf16: 'maybe' is not one of"),
+        ({}, ["train.bf16=1"], "train.bf16: expected true, false or a string"),
     ],
 )
 def test_bad_config_names_key(data, overrides, message):
@@ -55,3 +57,8 @@ def test_bad_files(tmp_path):
     bad.write_text("[train\nlr = 1")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(bad)
+
+
+def test_bf16_takes_true_false_or_auto():
+    assert [config_from_dict({}, [f"train.bf16={v}"]).train.bf16 for v in ("true", "false", "auto")] == [
+        True, False, "auto"]

@@ -62,8 +62,8 @@ def test_the_reference_is_frozen_and_does_not_follow_training(tiny_cfg):
 
 
 def test_the_digest_names_the_frozen_weights(tiny_cfg):
-    """Two copies of the same pretrained stages share a digest; one weight moved by one step of its float, or
-    stored in another dtype, gives another (a peer with other weights decodes a residual wrong)."""
+    """Two copies of the same pretrained stages share a digest; one weight moved by one step of its float, stored
+    in another dtype, or computed under bf16 autocast, gives another (such a peer decodes a residual wrong)."""
     cfg = tiny_cfg("model.stages=2")
     stages = _stages(cfg)
     ref = ReferenceModel(stages)
@@ -73,6 +73,8 @@ def test_the_digest_names_the_frozen_weights(tiny_cfg):
         w = next(moved.stages[1].parameters())
         w.view(-1)[5] = torch.nextafter(w.view(-1)[5], torch.tensor(float("inf")))
     assert moved.digest != ref.digest
+    bf16 = ReferenceModel(stages, autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    assert bf16.precision != ref.precision == "float32" and bf16.digest != ref.digest  # computed otherwise
     assert ReferenceModel([m.to(torch.bfloat16) for m in stages]).digest != ref.digest
 
 

@@ -89,7 +89,9 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     grad_clip: float = 1.0
-    bf16: bool = False  # bf16 autocast for forward/backward (weights stay in ``model.dtype``)
+    # bf16 autocast for forward/backward (weights stay in ``model.dtype``): true, false, or "auto" = where this
+    # device multiplies bf16 at least about as fast as float32 (measured; meshnode.model.precision)
+    bf16: bool | str = False
     eval_every: int = 25
     eval_batches: int = 8
     checkpoint_every: int = 0  # 0 = only at the end
@@ -278,6 +280,7 @@ _CHOICES = {
     "dp.clock": ("own", "driver"),
     "model.tokenizer": ("model", "bytes"),
     "model.dtype": ("float32", "bfloat16", "float16"),
+    "train.bf16": (True, False, "auto"),
 }
 
 _RANGES = {  # key: (low, high, inclusive-high)
@@ -327,6 +330,10 @@ def _coerce(key: str, annotation: Any, value: Any) -> Any:
     if ann == "bool":
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if ann == "bool | str":  # true, false or a word (train.bf16 = "auto"; _CHOICES names the words)
+        if not isinstance(value, (bool, str)):
+            raise ConfigError(f"{key}: expected true, false or a string, got {value!r}")
         return value
     if ann == "int":
         if isinstance(value, bool) or not isinstance(value, int):

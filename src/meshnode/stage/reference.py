@@ -23,7 +23,8 @@ by both ends (they would compute the same numbers); the counters say what was co
 :func:`peer_passes` what each peer of a swarm computes.
 
 Both ends must compute the same reference to float rounding: same weights (the pretrained ones, never trained),
-same autocast. A mismatch adds to the error; it is not detected.
+same autocast. In the swarm :attr:`ReferenceModel.digest` names both, and the next stage refuses a caller whose
+digest is not its own; a numeric difference of the same computation (another device's kernels) is not detected.
 
 **The residual map** (``mask.reference_map_rank`` k > 0, forward only). Part of what fine-tuning changes at a
 boundary is a function of the pretrained value itself: ``scripts/probe_residual_predictor.py`` found a linear map
@@ -112,9 +113,10 @@ class ReferenceModel:
 
     @property
     def digest(self) -> str:
-        """A short hash of every stage's frozen weights (names, dtypes, shapes, bytes), computed once: two peers
-        whose boundaries are coded against the reference must hold the same one (a sender's residual decodes to
-        the right activation only against the sender's own reference), and the swarm compares these."""
+        """A short hash of every stage's frozen weights (names, dtypes, shapes, bytes; hashed once) and of the
+        autocast it computes under: two peers whose boundaries are coded against the reference must have the
+        same (a sender's residual decodes to the right activation only against the sender's own reference),
+        and the swarm compares these."""
         if self._digest is None:
             h = hashlib.sha256()
             for s, m in enumerate(self.stages):
@@ -122,8 +124,18 @@ class ReferenceModel:
                     t = t.detach().cpu()
                     h.update(f"{s}/{name}/{t.dtype}/{tuple(t.shape)};".encode())
                     h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-            self._digest = h.hexdigest()[:16]
-        return self._digest
+            self._digest = h.hexdigest()
+        # and how it is computed: a peer under bf16 autocast and one in float32 differ by bf16's rounding
+        return hashlib.sha256(f"{self._digest}/{self.precision}".encode()).hexdigest()[:16]
+
+    @property
+    def precision(self) -> str:
+        """The autocast this reference computes under (``"float32"`` without one), from :attr:`autocast`."""
+        with self.autocast():
+            for device in ("cpu", "cuda"):
+                if torch.is_autocast_enabled(device):
+                    return f"autocast {device} {torch.get_autocast_dtype(device)}"
+        return "float32"
 
     def _dtype(self, s: int) -> torch.dtype:
         return next(self.stages[s].parameters()).dtype

@@ -40,6 +40,7 @@ from ..compression import (
 )
 from ..config import RunConfig
 from ..model import StageModule
+from ..model.precision import use_bf16
 from ..optim import MicrobatchNoise, SpectralAdamW
 from .reference import CODE_TENSORS, MAP_META, MAP_TENSORS, STEP_TENSORS, MapFit, MapStore, ReferenceModel, ResidualMap
 
@@ -256,8 +257,14 @@ class StageWorker:
         """Traffic of the anchor replica (``replica < 0``) counts on the ``anchor`` axis."""
         return "anchor" if self.replica < 0 else axis
 
+    @property
+    def bf16(self) -> bool:
+        """Whether this worker computes under bf16 autocast: ``train.bf16`` for its device (``"auto"``: where bf16 is
+        not slower than float32, measured once per process; :mod:`meshnode.model.precision`)."""
+        return use_bf16(self.cfg.train.bf16, "cuda" if _on_cuda(self.module) else "cpu")
+
     def autocast(self):
-        if self.cfg.train.bf16:
+        if self.bf16:
             return torch.autocast("cpu" if not _on_cuda(self.module) else "cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
