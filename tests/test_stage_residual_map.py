@@ -339,11 +339,12 @@ def test_a_swarm_host_sends_each_map_once_per_peer_and_again_after_a_restart(tin
     model, _ = load_model(cfg.model, cache_dir)
     hidden = cfg.model.tiny_hidden
     limits = Limits.from_config(cfg, hidden, cfg.model.tiny_vocab)
+    pretrained = cut_model(copy.deepcopy(model), 2)  # every peer's reference: the same frozen weights
 
     def host(stage):
         cut = cut_model(model, 2)
         w = StageWorker(cut[stage], cfg)
-        w.reference = ReferenceModel([cut[0], cut[1]])
+        w.reference = ReferenceModel([pretrained[0], pretrained[1]])  # not the cut: the workers train its weights
         return StageHost(w, cfg, limits, "run", call_next=call_next if stage == 0 else None)
 
     target: list[str] = ["a"]  # the peers call_next tries, in order
@@ -426,13 +427,14 @@ def test_a_swarm_host_ships_its_gradient_code_to_a_caller_that_does_not_hold_it(
     model, _ = load_model(cfg.model, cache_dir)
     hidden = cfg.model.tiny_hidden
     limits = Limits.from_config(cfg, hidden, cfg.model.tiny_vocab)
+    pretrained = cut_model(copy.deepcopy(model), 2)  # every peer's reference: the same frozen weights
     replies: list[dict] = []
     requests: list[dict] = []
 
     def host(stage):
         cut = cut_model(model, 2)
         w = StageWorker(cut[stage], cfg)
-        w.reference = ReferenceModel([cut[0], cut[1]])
+        w.reference = ReferenceModel([pretrained[0], pretrained[1]])  # not the cut: the workers train its weights
         return StageHost(w, cfg, limits, "run", call_next=call_next if stage == 0 else None)
 
     async def call_next(stage, build):
