@@ -947,3 +947,39 @@ def test_a_failed_step_does_not_stop_the_correction_for_good(tiny_cfg, cache_dir
     assert len(calls) == 2 and host.opt_step == 1  # the first step failed, the second was taken
     assert host.worker.noise.ema_var  # and corrected v
     assert "optimizer step 0 failed" in caplog.text
+
+
+def test_a_joining_peer_bounds_the_state_it_reads(tiny_cfg, cache_dir):
+    """A peer's state blob (weights, optimizer, DP state, fits) fits within ``state_bytes_bound`` of its stage; a
+    stream larger than the bound, or with a frame that carries no bytes, is refused as it arrives."""
+    import asyncio
+
+    from meshnode.node.host import read_state_chunks, state_bytes_bound
+
+    cfg, host, mod, x, y = _last_stage_host(tiny_cfg, cache_dir, "train.microbatches=1")
+
+    async def go():
+        await host.process(driver="d", step=0, mb=0, attempt=1, inputs=x, labels=y)
+        assert await host.wait_idle(30.0)  # one step taken: AdamW's moments exist
+        return await host.state_blob()
+
+    blob = asyncio.run(go())
+    bound = state_bytes_bound(mod)
+    assert len(blob) < bound
+
+    read: list[int] = []
+
+    async def frames(chunks):
+        for i, c in enumerate(chunks):
+            read.append(i)
+            yield {"ok": True, "data": c, "last": i == len(chunks) - 1}
+
+    pieces = [blob[i:i + 4096] for i in range(0, len(blob), 4096)]
+    assert asyncio.run(read_state_chunks(frames(pieces), bound)) == blob
+    read.clear()
+    endless = [b"\0" * (1 << 20)] * (bound // (1 << 20) + 8)
+    with pytest.raises(ValueError, match="larger than"):
+        asyncio.run(read_state_chunks(frames(endless), bound))
+    assert len(read) == bound // (1 << 20) + 1  # refused at the first chunk past the bound, the rest never read
+    with pytest.raises(ValueError, match="without data"):
+        asyncio.run(read_state_chunks(frames(["text"]), bound))

@@ -51,7 +51,7 @@ from ..protocol.limits import Limits
 from ..protocol.records import PeerRecord
 from ..protocol.servicer import RPCServicer, StageServicer, collect_stream, stream_rpc
 from .claim import choose_shard, choose_stage, in_transit, should_rebalance, stage_loads, stage_rates
-from .host import StageHost, pieces_bytes, weights_from_chunks
+from .host import StageHost, pieces_bytes, read_state_chunks, state_bytes_bound, weights_from_chunks
 from .status import driver_step, swarm_health
 from .swarm import ChainError, SwarmClient, SwarmError, start_dht
 
@@ -448,17 +448,12 @@ class SwarmNode:
     async def _fetch_state(self, peer_id: str) -> bytes:
         from hivemind.p2p import PeerID
 
-        parts = []
         limits = self.host.limits
-        async for item in stream_rpc(
+        frames = stream_rpc(
             self.swarm.p2p, PeerID.from_base58(peer_id), f"{self.run_id}.rpc_get_state", {"run": self.run_id},
             max_bytes=limits.max_message_bytes, timeout=limits.rpc_timeout,
-        ):
-            data = item.get("data")
-            if not isinstance(data, bytes):
-                raise ValueError("state chunk without data")
-            parts.append(data)
-        return b"".join(parts)
+        )
+        return await read_state_chunks(frames, state_bytes_bound(self.host.worker.module))
 
     async def _run_stage(self) -> None:
         stage, ckpt = self._pick_stage()

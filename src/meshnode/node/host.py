@@ -644,6 +644,33 @@ class StageHost:
                                "fitted again", self.stage, exc)
 
 
+# a state blob's bound per parameter: weights, AdamW's two moments, DP's start, velocity and error feedback, the
+# spectral prior's EMA and dp.v_correction's estimate (float32 each: about 28 bytes), with twice the room
+STATE_BYTES_PER_PARAM = 64
+STATE_BYTES_SLACK = 64 << 20  # reference coding's fits (16 MB for SmolLM2), counters, pickling
+
+
+def state_bytes_bound(module: torch.nn.Module) -> int:
+    """The most a peer's state blob of this stage may take (:meth:`StageHost.state_blob`): a joining peer refuses a
+    larger one as it arrives instead of holding whatever a peer streams."""
+    return STATE_BYTES_PER_PARAM * sum(p.numel() for p in module.parameters()) + STATE_BYTES_SLACK
+
+
+async def read_state_chunks(frames: AsyncIterator[dict[str, Any]], max_total: int) -> bytes:
+    """The blob of a streamed ``rpc_get_state`` reply: each frame's ``data`` bytes in order; ValueError for a frame
+    without them or as soon as they add up to more than ``max_total``."""
+    parts, total = [], 0
+    async for item in frames:
+        data = item.get("data")
+        if not isinstance(data, bytes):
+            raise ValueError("state chunk without data")
+        total += len(data)
+        if total > max_total:
+            raise ValueError(f"state larger than {max_total} bytes: refused")
+        parts.append(data)
+    return b"".join(parts)
+
+
 def tensor_chunks(tensors: dict[str, torch.Tensor], half: bool = False):
     """``{"ok", "pieces", "last"}`` frames of about ``WEIGHT_CHUNK_BYTES / 2`` carrying ``tensors`` (bf16 if
     ``half``). Pieces: ``[name, dtype, shape, bytes, offset]``; a tensor larger than a frame (an embedding) is
