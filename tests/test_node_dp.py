@@ -949,12 +949,14 @@ def test_a_failed_step_does_not_stop_the_correction_for_good(tiny_cfg, cache_dir
     assert "optimizer step 0 failed" in caplog.text
 
 
-def test_a_joining_peer_bounds_the_state_it_reads(tiny_cfg, cache_dir):
+def test_a_joining_peer_bounds_the_state_it_reads(tiny_cfg, cache_dir, monkeypatch):
     """A peer's state blob (weights, optimizer, DP state, fits) fits within ``state_bytes_bound`` of its stage; a
-    stream larger than the bound, or with a frame that carries no bytes, is refused as it arrives."""
+    stream larger than the bound, or with a frame that carries no bytes, is refused as it arrives (what
+    ``_fetch_state`` reads through ``collect_stream``)."""
     import asyncio
 
-    from meshnode.node.host import read_state_chunks, state_bytes_bound
+    from meshnode.node.host import state_bytes_bound, state_chunk_bytes
+    from meshnode.protocol import servicer
 
     cfg, host, mod, x, y = _last_stage_host(tiny_cfg, cache_dir, "train.microbatches=1")
 
@@ -968,18 +970,27 @@ def test_a_joining_peer_bounds_the_state_it_reads(tiny_cfg, cache_dir):
     assert len(blob) < bound
 
     read: list[int] = []
+    chunks: list = []
 
-    async def frames(chunks):
+    async def frames(p2p, peer, handler, request, **kw):
         for i, c in enumerate(chunks):
             read.append(i)
             yield {"ok": True, "data": c, "last": i == len(chunks) - 1}
 
-    pieces = [blob[i:i + 4096] for i in range(0, len(blob), 4096)]
-    assert asyncio.run(read_state_chunks(frames(pieces), bound)) == blob
+    monkeypatch.setattr(servicer, "stream_rpc", frames)
+
+    def fetch():
+        got = asyncio.run(servicer.collect_stream(None, None, "run.rpc_get_state", {}, max_bytes=0, timeout=1.0,
+                                                  max_total=bound, size=state_chunk_bytes))
+        return b"".join(f["data"] for f in got)
+
+    chunks[:] = [blob[i:i + 4096] for i in range(0, len(blob), 4096)]
+    assert fetch() == blob
     read.clear()
-    endless = [b"\0" * (1 << 20)] * (bound // (1 << 20) + 8)
+    chunks[:] = [b"\0" * (1 << 20)] * (bound // (1 << 20) + 8)
     with pytest.raises(ValueError, match="larger than"):
-        asyncio.run(read_state_chunks(frames(endless), bound))
+        fetch()
     assert len(read) == bound // (1 << 20) + 1  # refused at the first chunk past the bound, the rest never read
+    chunks[:] = ["text"]
     with pytest.raises(ValueError, match="without data"):
-        asyncio.run(read_state_chunks(frames(["text"]), bound))
+        fetch()

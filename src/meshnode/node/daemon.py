@@ -49,9 +49,9 @@ from ..config import RunConfig
 from ..protocol import keys
 from ..protocol.limits import Limits
 from ..protocol.records import PeerRecord
-from ..protocol.servicer import RPCServicer, StageServicer, collect_stream, stream_rpc
+from ..protocol.servicer import RPCServicer, StageServicer, collect_stream
 from .claim import choose_shard, choose_stage, in_transit, should_rebalance, stage_loads, stage_rates
-from .host import StageHost, pieces_bytes, read_state_chunks, state_bytes_bound, weights_from_chunks
+from .host import StageHost, pieces_bytes, state_bytes_bound, state_chunk_bytes, weights_from_chunks
 from .status import driver_step, swarm_health
 from .swarm import ChainError, SwarmClient, SwarmError, start_dht
 
@@ -449,11 +449,12 @@ class SwarmNode:
         from hivemind.p2p import PeerID
 
         limits = self.host.limits
-        frames = stream_rpc(
+        frames = await collect_stream(
             self.swarm.p2p, PeerID.from_base58(peer_id), f"{self.run_id}.rpc_get_state", {"run": self.run_id},
             max_bytes=limits.max_message_bytes, timeout=limits.rpc_timeout,
+            max_total=state_bytes_bound(self.host.worker.module), size=state_chunk_bytes,
         )
-        return await read_state_chunks(frames, state_bytes_bound(self.host.worker.module))
+        return b"".join(f["data"] for f in frames)
 
     async def _run_stage(self) -> None:
         stage, ckpt = self._pick_stage()

@@ -656,19 +656,13 @@ def state_bytes_bound(module: torch.nn.Module) -> int:
     return STATE_BYTES_PER_PARAM * sum(p.numel() for p in module.parameters()) + STATE_BYTES_SLACK
 
 
-async def read_state_chunks(frames: AsyncIterator[dict[str, Any]], max_total: int) -> bytes:
-    """The blob of a streamed ``rpc_get_state`` reply: each frame's ``data`` bytes in order; ValueError for a frame
-    without them or as soon as they add up to more than ``max_total``."""
-    parts, total = [], 0
-    async for item in frames:
-        data = item.get("data")
-        if not isinstance(data, bytes):
-            raise ValueError("state chunk without data")
-        total += len(data)
-        if total > max_total:
-            raise ValueError(f"state larger than {max_total} bytes: refused")
-        parts.append(data)
-    return b"".join(parts)
+def state_chunk_bytes(frame: dict[str, Any]) -> int:
+    """The size of one ``rpc_get_state`` frame's ``data`` (``collect_stream``'s ``size``, bounded by
+    :func:`state_bytes_bound`); ValueError for a frame without bytes."""
+    data = frame.get("data")
+    if not isinstance(data, bytes):
+        raise ValueError("state chunk without data")
+    return len(data)
 
 
 def tensor_chunks(tensors: dict[str, torch.Tensor], half: bool = False):
