@@ -104,8 +104,9 @@ class ReferenceModel:
         self._acts: OrderedDict[Hashable, tuple[Tensor, list[Tensor]]] = OrderedDict()
         self._grads: OrderedDict[tuple[Hashable, int], tuple[Tensor, Tensor, Tensor]] = OrderedDict()
         self.stage_forwards = 0  # frozen stage passes computed (not served from the cache)
-        self._digest: str | None = None
         self.stage_backwards = 0
+        self._weights_hash: str | None = None
+        self._digests: dict[str, str] = {}  # precision -> digest (every forward request carries one)
 
     @property
     def num_stages(self) -> int:
@@ -117,16 +118,18 @@ class ReferenceModel:
         autocast it computes under: two peers whose boundaries are coded against the reference must have the
         same (a sender's residual decodes to the right activation only against the sender's own reference),
         and the swarm compares these."""
-        if self._digest is None:
-            h = hashlib.sha256()
-            for s, m in enumerate(self.stages):
-                for name, t in sorted(m.state_dict().items()):
-                    t = t.detach().cpu()
-                    h.update(f"{s}/{name}/{t.dtype}/{tuple(t.shape)};".encode())
-                    h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-            self._digest = h.hexdigest()
-        # and how it is computed: a peer under bf16 autocast and one in float32 differ by bf16's rounding
-        return hashlib.sha256(f"{self._digest}/{self.precision}".encode()).hexdigest()[:16]
+        precision = self.precision  # a peer under bf16 autocast and one in float32 differ by bf16's rounding
+        if precision not in self._digests:
+            if self._weights_hash is None:
+                h = hashlib.sha256()
+                for s, m in enumerate(self.stages):
+                    for name, t in sorted(m.state_dict().items()):
+                        t = t.detach().cpu()
+                        h.update(f"{s}/{name}/{t.dtype}/{tuple(t.shape)};".encode())
+                        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+                self._weights_hash = h.hexdigest()
+            self._digests[precision] = hashlib.sha256(f"{self._weights_hash}/{precision}".encode()).hexdigest()[:16]
+        return self._digests[precision]
 
     @property
     def precision(self) -> str:
