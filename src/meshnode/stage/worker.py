@@ -175,20 +175,19 @@ class StageWorker:
                   ) -> tuple[EncodedPayload, MapFit | None]:
         """The codec's part of an incoming activation payload and the residual map it was coded against (None:
         none), storing a map that travels with it."""
-        m = self.cfg.mask
-        return self._take_fit(payload, ref, "map_in", m.reference_map_rank, m.reference_code_bits, "residual map")
+        return self._take_fit(payload, ref, "map_in", "residual map")
 
     def _take_grad_code(self, payload: EncodedPayload, ref: ReferenceModel | None
                         ) -> tuple[EncodedPayload, MapFit | None]:
         """The codec's part of an incoming gradient payload and the transform code it names (None: none)."""
-        return self._take_fit(payload, ref, "gcode_in", 0, self.cfg.mask.reference_grad_code_bits, "gradient code")
+        return self._take_fit(payload, ref, "gcode_in", "gradient code")
 
-    def _take_fit(self, payload: EncodedPayload, ref: ReferenceModel | None, store: str, rank: int, bits: int,
-                  what: str) -> tuple[EncodedPayload, MapFit | None]:
+    def _take_fit(self, payload: EncodedPayload, ref: ReferenceModel | None, store: str, what: str
+                  ) -> tuple[EncodedPayload, MapFit | None]:
         if MAP_META not in payload.meta and not any(k in payload.tensors for k in MAP_TENSORS + CODE_TENSORS
                                                           + STEP_TENSORS):
             return payload, None
-        if ref is None or not (rank or bits):
+        if ref is None or not any(self._fit_sizes(store)):
             raise StageError(f"stage {self.index}: the payload names a {what}, which this boundary does not use")
         held = self._store(store, payload.shape[-1])
         try:
@@ -204,11 +203,16 @@ class StageWorker:
         codes), built on first use."""
         if getattr(self, store) is None:
             m = self.cfg.mask
-            rank, bits = ((m.reference_map_rank, m.reference_code_bits) if store == "map_in"
-                          else (0, m.reference_grad_code_bits))
+            rank, bits = self._fit_sizes(store)
             setattr(self, store, MapStore(hidden, rank, code_bits=bits, fit_bits=m.reference_fit_bits,
                                           fisher=store == "map_in" and m.reference_code_metric == "fisher"))
         return getattr(self, store)
+
+    def _fit_sizes(self, store: str) -> tuple[int, int]:
+        """(map rank, code bits per token) of what ``store`` receives: ``map_in`` the activation's map and code,
+        ``gcode_in`` the gradient's code (no map)."""
+        m = self.cfg.mask
+        return (m.reference_map_rank, m.reference_code_bits) if store == "map_in" else (0, m.reference_grad_code_bits)
 
     def fit_state(self) -> dict:
         """Reference coding's fits, both ways (``mask.reference_map_rank``, ``_code_bits``, ``_grad_code_bits``):
