@@ -994,3 +994,117 @@ def test_a_joining_peer_bounds_the_state_it_reads(tiny_cfg, cache_dir, monkeypat
     chunks[:] = ["text"]
     with pytest.raises(ValueError, match="without data"):
         fetch()
+
+
+def _microbatches(cfg, n):
+    """``n`` distinct (encoded input, labels) microbatches for the last stage of ``_last_stage_host``."""
+    gen = torch.Generator().manual_seed(7)
+    B, T, H = cfg.train.batch_size, cfg.data.seq_len, cfg.model.tiny_hidden
+    return [(DenseCodec("bfloat16").encode(torch.randn(B, T, H, generator=gen)),
+             torch.randint(0, 200, (B, T), generator=gen)) for _ in range(n)]
+
+
+async def _feed(host, mbs, which):
+    for m in which:
+        await host.process(driver="d", step=0, mb=m, attempt=1, inputs=mbs[m][0], labels=mbs[m][1])
+    assert await host.wait_idle(30.0)
+
+
+@pytest.mark.parametrize("extra", [(), ("dp.enabled=true", "dp.v_correction=true")], ids=["plain", "v_correction"])
+def test_a_graceful_stop_keeps_the_step_taken_so_far(tiny_cfg, cache_dir, extra):
+    """A replica stopped with two of its step's three microbatches taken checkpoints them (their gradient, the
+    step's sums and dp.v_correction's microbatch buffers); restarted from it, the third microbatch completes the
+    step, and the weights and the step's loss are bit for bit those of the uninterrupted replica. Before, the
+    stop's checkpoint held only the weights: the two microbatches the drivers had counted were lost. A joining
+    peer's load of the same state takes no partial step (it was the stopped replica's)."""
+    overrides = ("train.microbatches=3", *extra)
+    cfg, whole, _, _, _ = _last_stage_host(tiny_cfg, cache_dir, *overrides)
+    mbs = _microbatches(cfg, 3)
+    start = {n: t.clone() for n, t in whole.worker.module.state_dict().items()}
+    asyncio.run(_feed(whole, mbs, [0, 1, 2]))
+    assert whole.opt_step == 1
+
+    _, stopped, _, _, _ = _last_stage_host(tiny_cfg, cache_dir, *overrides)
+    assert all(torch.equal(t, start[n]) for n, t in stopped.worker.module.state_dict().items())
+
+    async def stop():
+        await _feed(stopped, mbs, [0, 1])
+        with pytest.raises(RuntimeError, match="after close"):
+            await stopped.state_blob(partial=True)
+        await stopped.close()
+        return await stopped.state_blob(partial=True), await stopped.state_blob()
+
+    blob, plain_blob = asyncio.run(stop())
+    assert stopped.opt_step == 0 and stopped.pending_microbatches == 2
+
+    _, restarted, _, _, _ = _last_stage_host(tiny_cfg, cache_dir, *overrides)
+    assert restarted.load_state_blob(blob, partial=True) == 2 and restarted.pending_microbatches == 2
+    asyncio.run(_feed(restarted, mbs, [2]))
+    assert restarted.opt_step == 1 and restarted.last_loss == whole.last_loss
+    after = whole.worker.module.state_dict()
+    assert all(torch.equal(t, after[n]) for n, t in restarted.worker.module.state_dict().items())
+    assert not any(torch.equal(t, start[n]) for n, t in after.items() if t.is_floating_point())  # it trained
+    if whole.worker.noise is not None:  # the variance estimate of the step: all three microbatches' in both
+        ema, ema2 = whole.worker.noise.ema_var, restarted.worker.noise.ema_var
+        assert ema and set(ema) == set(ema2) and all(torch.equal(ema[n], ema2[n]) for n in ema)
+
+    # without the partial step: the plain state, or the same blob read as a joining peer reads a peer's state
+    for b in (plain_blob, blob):
+        _, joined, mod, _, _ = _last_stage_host(tiny_cfg, cache_dir, *overrides)
+        assert joined.load_state_blob(b) == 0 and joined.pending_microbatches == 0
+        assert all(p.grad is None for p in mod.parameters())
+        asyncio.run(_feed(joined, mbs, [2]))
+        assert joined.opt_step == 0 and joined.pending_microbatches == 1  # the step waits for two more
+
+
+def test_a_checkpoints_partial_step_that_does_not_fit_is_dropped_whole(tiny_cfg, cache_dir, caplog):
+    """A partial step with a non-finite or misshapen gradient, an unknown parameter, a count a step cannot hold,
+    or one taken with dp.v_correction where this run has none: the weights load, no gradient and no count are
+    taken from it (a warning says so); the worker refuses it with nothing changed."""
+    import io
+
+    from meshnode.stage import StageError
+
+    cfg, host, _, _, _ = _last_stage_host(tiny_cfg, cache_dir, "train.microbatches=3", "dp.enabled=true",
+                                          "dp.v_correction=true")
+    mbs = _microbatches(cfg, 2)
+
+    async def stop():
+        await _feed(host, mbs, [0, 1])
+        await host.close()
+        return await host.state_blob(partial=True)
+
+    blob = asyncio.run(stop())
+    good = torch.load(io.BytesIO(blob), weights_only=True)
+    name = next(iter(good["partial"]["grads"]))
+
+    def spoiled(fn):
+        state = torch.load(io.BytesIO(blob), weights_only=True)  # a copy of its own
+        fn(state["partial"])
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        return buf.getvalue()
+
+    bad = {
+        "nan": lambda p: p["grads"][name].view(-1)[0].fill_(float("nan")),
+        "shape": lambda p: p["grads"].__setitem__(name, p["grads"][name][:1]),
+        "unknown": lambda p: p["grads"].__setitem__("nope.weight", p["grads"][name]),
+        "count": lambda p: p.__setitem__("done", 3),
+        "noise": lambda p: p["noise"]["prev"][name].view(-1)[0].fill_(float("inf")),
+    }
+    for what, fn in bad.items():
+        _, fresh, mod, _, _ = _last_stage_host(tiny_cfg, cache_dir, "train.microbatches=3", "dp.enabled=true",
+                                               "dp.v_correction=true")
+        caplog.clear()
+        assert fresh.load_state_blob(spoiled(fn), partial=True) == 0, what
+        assert fresh.pending_microbatches == 0 and all(p.grad is None for p in mod.parameters()), what
+        assert "partial step does not fit" in caplog.text, what
+        assert all(torch.equal(t, good["weights"][n]) for n, t in mod.state_dict().items()), what
+    _, other, mod, _, _ = _last_stage_host(tiny_cfg, cache_dir, "train.microbatches=3")  # no v_correction
+    assert other.load_state_blob(spoiled(lambda p: None), partial=True) == 0
+    with pytest.raises(ValueError, match="v_correction"):
+        other.worker.load_partial_step(good["partial"])
+    assert all(p.grad is None for p in mod.parameters())
+    host.worker.in_flight[object()] = None
+    with pytest.raises(StageError, match="in flight"):
+        host.worker.partial_step()

@@ -356,7 +356,7 @@ class SwarmNode:
         loaded_step = -1
         if ckpt is not None and ckpt.is_file():
             blob = ckpt.read_bytes()
-            await host.run(host.load_state_blob, blob)
+            partial = await host.run(host.load_state_blob, blob, True)
             loaded_step = host.opt_step
             meta = ckpt.with_suffix(".json")
             if meta.is_file() and not self.moves:  # a mover's counters and driver steps are this process's
@@ -368,7 +368,9 @@ class SwarmNode:
                     self.counter.merge(ByteCounter.from_snapshot(m.get("bytes", {})))
                     self.driver_step = int(m.get("driver_step", 0))
                     self.driver_tokens = int(m.get("driver_tokens", 0))
-            logger.info("resumed stage %d from %s at step %d", self.stage, ckpt, loaded_step)
+            logger.info("resumed stage %d from %s at step %d%s", self.stage, ckpt, loaded_step,
+                        f", with {partial} of the step's {self.cfg.train.microbatches} microbatches taken" if partial
+                        else "")
         others = [p for p in self.swarm.candidates(self.stage) if p.step > max(loaded_step, 0)]
         if loaded_step < 0 and not others and not await self._load_from_anchor():
             # a stage left without peers (this peer moved into it, or joined it) and no anchor copy: whatever it
@@ -548,23 +550,29 @@ class SwarmNode:
             except Exception as exc:
                 logger.warning("driver stopped with %r", exc)
         await self.host.close()
-        if not await self.host.wait_idle(self.opts.shutdown_grace):
+        idle = await self.host.wait_idle(self.opts.shutdown_grace)
+        if not idle:
             logger.warning("in-flight microbatches did not finish within %.0fs", self.opts.shutdown_grace)
         if self.stopping.is_set() and self.opts.checkpoint_dir is not None:
-            await self.save_checkpoint(Path(self.opts.checkpoint_dir))
+            # with the step taken so far (once idle): a restart finishes it, the microbatches are not lost
+            await self.save_checkpoint(Path(self.opts.checkpoint_dir), partial=idle)
+        elif self.host.pending_microbatches:
+            logger.warning("leaving stage %d with %d microbatches of its step taken and not applied: their gradient "
+                           "is lost", self.stage, self.host.pending_microbatches)
 
-    async def save_checkpoint(self, directory: Path) -> Path | None:
+    async def save_checkpoint(self, directory: Path, partial: bool = False) -> Path | None:
         """Write the stage's state (between steps) to ``directory/stage{N}.pt`` and its counters to ``.json``, each
         through a temporary file and a rename, so a crash mid-write leaves the previous checkpoint whole. Returns
         None when a checkpoint of a later step was written meanwhile (a periodic save that finished after the stop's
         save must not replace it)."""
         host, stage = self.host, self.stage
-        blob = await host.state_blob()
+        blob = await host.state_blob(partial)
         self._ckpt_seq += 1
         seq = self._ckpt_seq
         meta = {
             "run_id": self.run_id, "stage": stage, "opt_step": host.opt_step, "driver_step": self.driver_step,
             "driver_tokens": self.driver_tokens, "bytes": self.counter.snapshot(),
+            "partial_microbatches": host.pending_microbatches if partial else 0,
         }
         path = Path(directory) / CHECKPOINT_NAME.format(stage=stage)
         if not await asyncio.to_thread(self._write_checkpoint, path, blob, meta, seq):

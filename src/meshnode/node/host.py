@@ -262,6 +262,11 @@ class StageHost:
         """No microbatch in flight and no optimizer step due or running."""
         return self._active == 0 and not self._stepping and not self._step_due
 
+    @property
+    def pending_microbatches(self) -> int:
+        """Microbatches taken into the current step (completed, their gradient accumulated) and not yet applied."""
+        return self._done
+
     def gate_closed(self) -> bool:
         return not self._admits()
 
@@ -581,7 +586,7 @@ class StageHost:
     def dp_syncs(self) -> int:
         return 0 if self.dp is None else self.dp.syncs
 
-    def _state_blob(self) -> bytes:
+    def _state_blob(self, partial: bool = False) -> bytes:
         buf = io.BytesIO()
         state = {
             "weights": self._weights_snapshot(), "optimizer": self.worker.optimizer_state(),
@@ -590,15 +595,23 @@ class StageHost:
             # reference coding: this stage's own maps and codes (not those it was sent: their senders send again)
             "fits": {k: v for k, v in self.worker.fit_state().items() if k in ("map_out", "gcode_out")},
         }
+        if partial and (step := self.worker.partial_step()) is not None:
+            state["partial"] = {"done": self._done, **step}
         torch.save(state, buf)
         return buf.getvalue()
 
-    async def state_blob(self) -> bytes:
+    async def state_blob(self, partial: bool = False) -> bytes:
         """Weights, optimizer, step counters and DP state as one ``torch.save`` blob, taken between steps (what a
-        joining peer fetches and a checkpoint holds)."""
+        joining peer fetches and a checkpoint holds). ``partial``: with the step accumulated so far (the
+        microbatches this replica took since its last step: their gradients and count), for the checkpoint of a
+        graceful stop; only once the gate is closed (:meth:`close`) and nothing is in flight, which it waits for.
+        A joining peer is never given it: its microbatches were this replica's, and counting them in another would
+        count them twice."""
+        if partial and not self._closed:
+            raise RuntimeError("a state with the partial step is taken after close()")
         async with self._cond:
-            await self._cond.wait_for(lambda: not self._stepping)
-            return await self.run(self._state_blob)
+            await self._cond.wait_for(lambda: not self._stepping and not (partial and self._active))
+            return await self.run(self._state_blob, partial)
 
     async def state_stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Weights + optimizer + DP state (torch.save bytes, loaded with ``weights_only=True``) in chunks."""
@@ -628,8 +641,14 @@ class StageHost:
         if self.dp is not None:
             self.dp.restart_from_weights()
 
-    def load_state_blob(self, blob: bytes) -> None:
+    def load_state_blob(self, blob: bytes, partial: bool = False) -> int:
+        """Load a :meth:`state_blob` (before serving: no microbatch in flight). Any step this replica had
+        accumulated is dropped (its gradients were of the weights replaced); ``partial`` (this peer's own
+        checkpoint) restores the blob's partial step instead, if it has one and it fits this run (else it is
+        dropped with a warning). Returns the microbatches of the step restored."""
         state = torch.load(io.BytesIO(blob), weights_only=True)
+        self.worker.clear_step()
+        self._done = 0
         self.worker.module.load_state_dict(state["weights"])
         self.worker.load_optimizer_state(state["optimizer"])
         self.opt_step = int(state["opt_step"])
@@ -642,6 +661,23 @@ class StageHost:
             except (ValueError, KeyError, TypeError) as exc:
                 logger.warning("stage %d: the state's reference maps and codes do not fit this run (%s); they are "
                                "fitted again", self.stage, exc)
+        return self._load_partial(state.get("partial")) if partial else 0
+
+    def _load_partial(self, partial: Any) -> int:
+        if partial is None:
+            return 0
+        m = self.cfg.train.microbatches
+        try:
+            done = int(partial["done"])
+            if not 0 < done < m:
+                raise ValueError(f"{done} microbatches taken, where a step takes {m}")
+            self.worker.load_partial_step(partial)
+        except (KeyError, TypeError, ValueError, StageError) as exc:
+            logger.warning("stage %d: the checkpoint's partial step does not fit this run (%s); its microbatches are "
+                           "dropped", self.stage, exc)
+            return 0
+        self._done = done
+        return done
 
 
 # a state blob's bound per parameter: weights, AdamW's two moments, DP's start, velocity and error feedback, the

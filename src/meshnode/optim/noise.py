@@ -156,6 +156,42 @@ class MicrobatchNoise:
         self._pending = None
         self.count = 0
 
+    def partial_state(self) -> dict[str, Any]:
+        """The microbatch buffers of the step so far (between :meth:`after_microbatch` calls, before
+        :meth:`variance`): with :meth:`load_partial_state` a restarted replica finishes the step's estimate."""
+        if self._variance is not None or self._pending is not None:
+            raise RuntimeError("partial_state after variance() or before_step(): the step is being taken")
+        names = sorted(self._touched)
+        return {"count": self.count, "prev": {n: self._prev[n].clone() for n in names},
+                "sq": {} if self._pair else {n: self._sq[n].clone() for n in names}}
+
+    def check_partial_state(self, state: Any) -> None:
+        """ValueError unless ``state`` is a :meth:`partial_state` of these parameters and this M."""
+        try:
+            count, prev, sq = int(state["count"]), state["prev"], state["sq"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"v_correction's partial state: {exc!r}") from None
+        if count < 0 or not isinstance(prev, dict) or not isinstance(sq, dict):
+            raise ValueError("v_correction's partial state: malformed")
+        if set(sq) != (set() if self._pair else set(prev)):
+            raise ValueError("v_correction's partial state was taken with another number of microbatches")
+        for n, t in [*prev.items(), *sq.items()]:
+            if (n not in self.params or not isinstance(t, Tensor) or tuple(t.shape) != tuple(self.params[n].shape)
+                    or not bool(torch.isfinite(t).all())):
+                raise ValueError(f"v_correction's partial state for {n!r}: unknown, wrong shape or not finite")
+
+    @torch.no_grad()
+    def load_partial_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`partial_state` (checked by :meth:`check_partial_state`) in place of the step so far."""
+        self.check_partial_state(state)
+        self.reset()
+        for n, t in state["prev"].items():
+            self._prev[n] = t.to(device=self.params[n].device, dtype=torch.float32).clone()
+        for n, t in state["sq"].items():
+            self._sq[n] = t.to(device=self.params[n].device, dtype=torch.float32).clone()
+        self._touched = set(state["prev"])
+        self.count = int(state["count"])
+
     def _tensors(self, optimizer: torch.optim.Optimizer):
         """(name, parameter, beta2, AdamW's v or None) of every tracked tensor the optimizer holds."""
         for group in optimizer.param_groups:

@@ -239,6 +239,55 @@ class StageWorker:
             if fresh_sender and isinstance(held, ResidualMap):
                 held.sender = secrets.randbits(31)
 
+    def partial_step(self) -> dict | None:
+        """The step accumulated so far: each parameter's gradient, the step's loss and token sums and the
+        gradient-noise tracker's microbatch buffers, or None when no microbatch has been taken back since the last
+        step. What a swarm peer's graceful stop checkpoints, so that its restart finishes the step instead of
+        losing the microbatches the drivers already counted. Only with nothing in flight (StageError)."""
+        if self.in_flight:
+            raise StageError(f"stage {self.index}: {len(self.in_flight)} microbatches in flight; a partial step is "
+                             "taken between microbatches")
+        grads = {n: p.grad.detach().clone() for n, p in self.module.named_parameters() if p.grad is not None}
+        if not grads:
+            return None
+        st = self.step_stats
+        return {"grads": grads, "loss_sum": st.loss_sum, "microbatches": st.microbatches, "tokens": st.tokens,
+                "noise": None if self.noise is None else self.noise.partial_state()}
+
+    def load_partial_step(self, state: dict) -> None:
+        """Restore :meth:`partial_step` onto this stage's weights, in place of any gradient it holds: a gradient for
+        a parameter of this stage, of its shape, floating point and finite, for every one given, or nothing
+        changes (ValueError)."""
+        if self.in_flight:
+            raise StageError(f"stage {self.index}: microbatches in flight; a partial step is loaded between them")
+        params = dict(self.module.named_parameters())
+        grads = state.get("grads")
+        if not isinstance(grads, dict) or not grads:
+            raise ValueError("a partial step without gradients")
+        for n, g in grads.items():
+            if n not in params:
+                raise ValueError(f"a partial step's gradient for {n!r}, which this stage does not have")
+            if (not isinstance(g, Tensor) or not g.is_floating_point() or tuple(g.shape) != tuple(params[n].shape)
+                    or not bool(torch.isfinite(g).all())):
+                raise ValueError(f"a partial step's gradient for {n!r}: wrong shape or dtype, or not finite")
+        try:
+            stats = StepStats(float(state["loss_sum"]), int(state["microbatches"]), int(state["tokens"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"a partial step's sums: {exc!r}") from None
+        if not math.isfinite(stats.loss_sum) or stats.microbatches < 0 or stats.tokens < 0:
+            raise ValueError("a partial step's sums are negative or not finite")
+        noise = state.get("noise")
+        if (noise is None) != (self.noise is None):
+            raise ValueError("the partial step was taken with other dp.v_correction settings")
+        if self.noise is not None:
+            self.noise.check_partial_state(noise)
+        self.zero_grad()
+        for n, g in grads.items():
+            params[n].grad = g.to(device=params[n].device, dtype=params[n].dtype).clone()
+        self.step_stats = stats
+        if self.noise is not None:
+            self.noise.load_partial_state(noise)
+
     def _grad_code(self, hidden: int) -> ResidualMap | None:
         """The transform code of the gradient this stage sends back (``mask.reference_grad_code_bits``), or None."""
         bits = self.cfg.mask.reference_grad_code_bits
@@ -480,6 +529,11 @@ class StageWorker:
         if self.noise is not None:
             self.noise.reset()
 
+    def clear_step(self) -> None:
+        """Forget the step accumulated so far: the gradients and the step's loss and token sums."""
+        self.zero_grad()
+        self.step_stats = StepStats()
+
     # ------------------------------------------------------------------------------------------
     # evaluation (unmasked, no graph)
 
@@ -523,6 +577,5 @@ def chain_gradients(
     for s, w in enumerate(workers):
         params = dict(w.module.named_parameters())
         out.append({n: params[n].grad.detach().float().clone() for n in names[s]})
-        w.zero_grad()
-        w.step_stats = StepStats()
+        w.clear_step()
     return out
