@@ -429,8 +429,9 @@ def main() -> None:
     data.setdefault("before", {})
     data.setdefault("variant_overrides", {})
     # the fixed evaluation sets: held-out windows of both corpora, tokenised with the model's tokenizer
+    # under every run's own --set overrides (train.bf16, for one: "before" is evaluated in the runs' precision)
     base = MeshTrainer(load_config(ROOT / "configs" / TASKS["domain"], [
-        f"train.eval_batches={args.eval_batches}", f"train.device={args.device}"]), Path(args.cache_dir))
+        *args.set, f"train.eval_batches={args.eval_batches}", f"train.device={args.device}"]), Path(args.cache_dir))
     data["machine"]["bf16_autocast"] = base.workers[0][0].bf16  # train.bf16 as resolved here ("auto": measured)
     eval_sets = {}
     for corpus, cfg_name in EVAL_CONFIGS.items():
