@@ -74,6 +74,13 @@ class PayloadError(ValueError):
     """A payload does not match what this codec and exchange expect (shape, dtype, key, values)."""
 
 
+def _exact_int(v: Any) -> int:
+    """``v`` if it is an int (not a bool, not a float that would be truncated), else TypeError."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{v!r} is not an integer")
+    return v
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     for name, dt in _DENSE_DTYPES.items():
         if dt == dtype:
@@ -375,18 +382,21 @@ class MaskCodec(BoundaryCodec):
             )
         sent = meta.get("key")
         try:
-            sent_key = MaskKey(*(int(v) for v in sent)) if sent is not None else None
+            sent_key = MaskKey(*(_exact_int(v) for v in sent)) if sent is not None else None
         except (TypeError, ValueError):
             raise PayloadError(f"malformed mask key in payload: {sent!r}") from None
+        row_offset = meta.get("row_offset", 0)
+        if isinstance(row_offset, bool) or not isinstance(row_offset, int):
+            raise PayloadError(f"payload row offset {row_offset!r} is not an integer")
         if ctx is None:
-            ctx = BoundaryContext(row_offset=int(meta.get("row_offset", 0)))
+            ctx = BoundaryContext(row_offset=row_offset)
         if ctx.key is None:
             if sent_key is None:
                 raise PayloadError("mask payload without a key, and no key in the context")
             ctx.key = sent_key
         elif sent_key is not None and sent_key != ctx.key:
             raise PayloadError(f"payload mask key {sent_key} does not match this exchange's key {ctx.key}")
-        if "row_offset" in meta and int(meta["row_offset"]) != ctx.row_offset:
+        if "row_offset" in meta and row_offset != ctx.row_offset:
             raise PayloadError(f"payload row offset {meta['row_offset']} != {ctx.row_offset}")
         return ctx
 

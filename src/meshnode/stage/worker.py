@@ -349,7 +349,10 @@ class StageWorker:
             inputs, fit = self._take_map(inputs, ref)
             ctx_in = BoundaryContext(key=self._mask_key(mb, self.index - 1),
                                      transform=fit.transform if fit is not None else None)
-            x = codec.decode(inputs, ctx_in)  # (B, T, H)
+            try:
+                x = codec.decode(inputs, ctx_in)  # (B, T, H)
+            except PayloadError as exc:  # another codec's or exchange's payload, a malformed key: refused
+                raise StageError(f"stage {self.index}: {exc}") from None
             if ref is not None:
                 if ids is None or ids.dim() != 2 or tuple(ids.shape) != tuple(x.shape[:2]):
                     raise StageError(f"stage {self.index}: reference coding needs the microbatch's token ids "
@@ -416,7 +419,10 @@ class StageWorker:
             grad, gfit = self._take_grad_code(grad, ref)
             # the gradient's own transform (or none), never the forward's that the same context carried
             ctx = dataclasses.replace(state.ctx_out, transform=gfit.transform if gfit is not None else None)
-            g = codec.decode_grad(grad, ctx)  # (B, T, H)
+            try:
+                g = codec.decode_grad(grad, ctx)  # (B, T, H)
+            except PayloadError as exc:
+                raise StageError(f"stage {self.index}: {exc}") from None
             if g.shape != state.outputs.shape:
                 raise StageError(
                     f"stage {self.index}: gradient shape {tuple(g.shape)} != {tuple(state.outputs.shape)}"
