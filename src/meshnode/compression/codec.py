@@ -385,9 +385,10 @@ class MaskCodec(BoundaryCodec):
             sent_key = MaskKey(*(_exact_int(v) for v in sent)) if sent is not None else None
         except (TypeError, ValueError):
             raise PayloadError(f"malformed mask key in payload: {sent!r}") from None
-        row_offset = meta.get("row_offset", 0)
-        if isinstance(row_offset, bool) or not isinstance(row_offset, int):
-            raise PayloadError(f"payload row offset {row_offset!r} is not an integer")
+        try:
+            row_offset = _exact_int(meta.get("row_offset", 0))
+        except TypeError:
+            raise PayloadError(f"payload row offset {meta['row_offset']!r} is not an integer") from None
         if ctx is None:
             ctx = BoundaryContext(row_offset=row_offset)
         if ctx.key is None:
