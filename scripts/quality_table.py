@@ -234,6 +234,11 @@ VARIANTS: dict[str, list[str]] = {
     "rotq1_refmap64_tc384_g144_p10_fisher_f8": [*REFMAP64_P10, "mask.reference_code_bits=384",
                                                 "mask.reference_grad_code_bits=144",
                                                 "mask.reference_code_metric=fisher", "mask.reference_fit_bits=8"],
+    # an eighth of a bit back (twenty-seventh session): the gradient code was cheap to halve before (1 -> 1/2 -> 1/4
+    # bit back cost nothing measurable); at 1/8 the boundaries' codes leave ~15 B/token of the 1/40 budget for DP
+    "rotq1_refmap64_tc288_g72_p10_fisher_f8": [*REFMAP64_P10, "mask.reference_code_bits=288",
+                                               "mask.reference_grad_code_bits=72",
+                                               "mask.reference_code_metric=fisher", "mask.reference_fit_bits=8"],
     # the whole system with the transform codes (twenty-third session): half a bit forward, a quarter back, and
     # plain-average DP with dp.v_correction (each replica fits its own maps and codes); and with PowerSGD rank 4
     "rotq1_refmap64_tc288_g144_p10_dpavg_vc": [*TC288_G144, *DP, *MB2, "dp.v_correction=true"],
