@@ -37,6 +37,16 @@ def test_bad_config_is_one_clear_line(tmp_path, cache_dir):
     _fails_cleanly(["train", "--config", str(tmp_path / "none.toml")], "config file not found", cache_dir)
 
 
+def test_settings_the_model_or_corpus_cannot_hold_are_one_clear_line(cache_dir):
+    """Checked once the model and corpus are loaded, before any step: a residual map wider than the model, and a
+    batch larger than the training shard (it used to build the batch row by row, for ever)."""
+    coded = ["--set", "mask.codec=\"rotq\"", "--set", "mask.bits=1", "--set", "mask.reference=\"both\""]
+    _fails_cleanly(["train", "--config", str(TINY), *coded, "--set", "mask.reference_map_rank=1000"],
+                   "mask.reference_map_rank: 1000 is more than the model's", cache_dir)
+    _fails_cleanly(["train", "--config", str(TINY), "--set", "train.batch_size=1000000000"],
+                   "a batch of 1000000000 sequences, but shard 0 of 1 holds", cache_dir)
+
+
 def test_missing_corpus_and_unknown_model(tmp_path, cache_dir):
     _fails_cleanly(
         ["train", "--config", str(TINY), "--set", f"data.source=\"dir:{tmp_path / 'nope'}\""], "directory not found",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from meshnode.config import ConfigError, config_from_dict, load_config
+from meshnode.config import ConfigError, check_model_width, config_from_dict, load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
 
@@ -43,6 +43,9 @@ def test_overrides_and_run_id():
         ({}, ["dp.clock=\"wall\""], "dp.clock: 'wall' is not one of"),
         ({}, ["train.bf16=\"maybe\""], "train.bf16: 'maybe' is not one of"),
         ({}, ["train.bf16=1"], "train.bf16: expected true, false or a string"),
+        ({}, ["train.lr=nan"], "train.lr: expected a finite number, got nan"),
+        ({"spectral": {"tau": float("inf")}}, [], "spectral.tau: expected a finite number, got inf"),
+        ({}, ["dp.round_timeout=-inf"], "dp.round_timeout: expected a finite number"),
     ],
 )
 def test_bad_config_names_key(data, overrides, message):
@@ -62,3 +65,17 @@ def test_bad_files(tmp_path):
 def test_bf16_takes_true_false_or_auto():
     assert [config_from_dict({}, [f"train.bf16={v}"]).train.bf16 for v in ("true", "false", "auto")] == [
         True, False, "auto"]
+
+
+def test_widths_are_checked_against_the_model():
+    """A residual map's rank and the transform codes' budgets are bounded by the model's width, which only the loaded
+    model knows: at the bound they pass, one over it is a ConfigError naming the key."""
+    coded = ["mask.codec=\"rotq\"", "mask.bits=1", "mask.reference=\"both\""]
+    check_model_width(config_from_dict({}, [*coded, "mask.reference_map_rank=64", "mask.reference_code_bits=256",
+                                            "mask.reference_grad_code_bits=256"]), 64)
+    for key, value, needle in [("mask.reference_map_rank", 65, "65 is more than the model's 64 channels"),
+                               ("mask.reference_code_bits", 257, "257 bits is more than 4 per channel"),
+                               ("mask.reference_grad_code_bits", 257, "257 bits is more than 4 per channel")]:
+        cfg = config_from_dict({}, [*coded, "mask.reference_map_rank=4", f"{key}={value}"])
+        with pytest.raises(ConfigError, match=f"{key}: {needle}"):
+            check_model_width(cfg, 64)

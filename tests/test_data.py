@@ -76,6 +76,14 @@ def test_batches_deterministic_disjoint_shards(tmp_path):
     assert all(np.array_equal(s0.batch(p), again.batch(p)) for p in (0, 5, 9, 3))  # any order, same tokens
 
 
+def test_a_batch_larger_than_its_shard_is_refused():
+    windows = np.arange(40 * 4).reshape(40, 4)
+    assert BatchSource(windows, 20, shard=1, num_shards=2).batch(0).shape == (20, 4)  # the whole shard: fine
+    for size in (21, 0):
+        with pytest.raises(CorpusError, match=f"a batch of {size} sequences, but shard 1 of 2 holds 20 windows"):
+            BatchSource(windows, size, shard=1, num_shards=2)
+
+
 def test_missing_corpora_have_clear_errors(tmp_path):
     with pytest.raises(CorpusError, match="fetch-linuxdoc"):
         list(iter_documents("linuxdoc", path=str(tmp_path / "nothing")))

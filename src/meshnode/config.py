@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import sys
 from dataclasses import dataclass, field
@@ -342,6 +343,8 @@ def _coerce(key: str, annotation: Any, value: Any) -> Any:
     if ann == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(value):  # TOML's nan / inf: no setting means either (a NaN lr trains NaN weights)
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
         return float(value)
     if ann == "str":
         if not isinstance(value, str):
@@ -472,6 +475,22 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     return config_from_dict(data, overrides)
 
 
+def check_model_width(cfg: RunConfig, hidden: int) -> None:
+    """Check the settings bounded by the model's width ``hidden`` (known only once the model is loaded): a residual
+    map's rank and the transform codes' bit budgets. ConfigError names the key, before any stage is built (a stage
+    would otherwise refuse its first microbatch)."""
+    from .compression.transform import MAX_CODE_BITS
+
+    m = cfg.mask
+    if m.reference_map_rank > hidden:
+        raise ConfigError(f"mask.reference_map_rank: {m.reference_map_rank} is more than the model's {hidden} "
+                          "channels")
+    for key, bits in (("mask.reference_code_bits", m.reference_code_bits),
+                      ("mask.reference_grad_code_bits", m.reference_grad_code_bits)):
+        if bits > MAX_CODE_BITS * hidden:
+            raise ConfigError(f"{key}: {bits} bits is more than {MAX_CODE_BITS} per channel of the model's {hidden}")
+
+
 def section_type(name: str) -> type | None:
     """The dataclass of a top-level section (used by docs and tests)."""
     return _SECTIONS.get(name)
@@ -479,5 +498,5 @@ def section_type(name: str) -> type | None:
 
 __all__ = [
     "AnchorConfig", "ConfigError", "DPConfig", "DataConfig", "MaskConfig", "ModelConfig", "RunConfig",
-    "SpectralConfig", "TrainConfig", "config_from_dict", "load_config", "section_type",
+    "SpectralConfig", "TrainConfig", "check_model_width", "config_from_dict", "load_config", "section_type",
 ]

@@ -149,6 +149,9 @@ class BatchSource:
         self.indices = shard_indices(len(windows), shard, num_shards)
         if len(self.indices) == 0:
             raise CorpusError(f"shard {shard} of {num_shards} holds no window ({len(windows)} windows in all)")
+        if not 0 < batch_size <= len(self.indices):
+            raise CorpusError(f"a batch of {batch_size} sequences, but shard {shard} of {num_shards} holds "
+                              f"{len(self.indices)} windows: use a smaller batch or more documents (data.max_docs)")
         self.seed = seed
         self._perm_cache: dict[int, np.ndarray] = {}
 

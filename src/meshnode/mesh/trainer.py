@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..compression import ByteCounter
-from ..config import RunConfig
+from ..config import RunConfig, check_model_width
 from ..data import BatchSource, heldout_batches, make_tokenizer, prepare_corpus
 from ..model import StageModule, cut_model, load_model
 from ..optim import lr_at
@@ -69,6 +69,7 @@ class MeshTrainer:
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         model, hf_tok = load_model(cfg.model, cache_dir)
+        check_model_width(cfg, int(model.config.hidden_size))
         self.hf_config = copy.deepcopy(model.config)
         self.hf_tokenizer = hf_tok
         self.tokenizer = make_tokenizer(cfg.model, hf_tok)

@@ -39,6 +39,7 @@ from collections.abc import Awaitable, Callable
 import torch
 from hivemind.p2p import PeerID
 
+from ..config import check_model_width
 from ..protocol import keys
 from ..protocol.limits import Limits
 from ..protocol.messages import tensor_to_bytes
@@ -145,6 +146,7 @@ class AnchorRunner:
 
         cfg = self.cfg
         model, hf_tok = load_model(cfg.model, self.node.opts.cache_dir)
+        check_model_width(cfg, int(model.config.hidden_size))
         self.limits = Limits.from_config(cfg, int(model.config.hidden_size), int(model.config.vocab_size))
         stages = cut_model(model, cfg.model.stages, cfg.model.boundaries)
         self.workers = []

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from ..compression import ByteCounter
-from ..config import RunConfig
+from ..config import RunConfig, check_model_width
 from ..protocol import keys
 from ..protocol.limits import Limits
 from ..protocol.records import PeerRecord
@@ -205,6 +205,7 @@ class SwarmNode:
 
         model, _ = load_model(self.cfg.model, self.opts.cache_dir)
         hidden, vocab = int(model.config.hidden_size), int(model.config.vocab_size)
+        check_model_width(self.cfg, hidden)
         self.stage_costs = stage_costs(model.config, self.num_stages, self.cfg.model.boundaries, self.cfg.data.seq_len)
         coded = self.cfg.mask.reference != "none"  # reference coding: every stage's pretrained weights, frozen
         cut = cut_model(model, self.num_stages, self.cfg.model.boundaries, keep=None if coded else [stage])
