@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 
-from meshnode.mesh import MeshTrainer, export_checkpoint
+from meshnode.mesh import CheckpointError, MeshTrainer, export_checkpoint
 
 
 def test_tiny_training_lowers_heldout_loss(tiny_cfg, cache_dir):
@@ -46,8 +47,55 @@ def test_checkpoint_of_other_shape_is_refused(tiny_cfg, cache_dir, tmp_path):
     trainer = MeshTrainer(tiny_cfg("train.steps=1", "train.eval_every=0"), cache_dir)
     trainer.train(checkpoint_dir=tmp_path / "c")
     other = MeshTrainer(tiny_cfg("model.stages=3"), cache_dir)
-    with pytest.raises(ValueError, match="stages"):
+    with pytest.raises(CheckpointError, match="stages"):
         other.load_checkpoint(tmp_path / "c")
+
+
+def _weights(trainer):
+    return [p.detach().clone() for m in trainer.stage_modules() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("damaged", ["trainer.json", "state.pt", "replica0-stage1.safetensors"])
+def test_a_damaged_checkpoint_is_refused_and_changes_nothing(tiny_cfg, cache_dir, tmp_path, damaged):
+    """A truncated file (a disk that filled up, a copy cut short) is a CheckpointError naming it, raised before any
+    weight, optimizer state or counter of the resuming trainer changes; a checkpoint of another model's width too."""
+    cfg = tiny_cfg("train.steps=2", "train.eval_every=0", "train.bf16=false")
+    MeshTrainer(cfg, cache_dir).train(checkpoint_dir=tmp_path / "c")
+    f = tmp_path / "c" / damaged
+    f.write_bytes(f.read_bytes()[:300])
+    fresh = MeshTrainer(cfg, cache_dir)
+    before = _weights(fresh)
+    with pytest.raises(CheckpointError, match=f"{damaged} is damaged"):
+        fresh.load_checkpoint(tmp_path / "c")
+    assert fresh.step == 0 and fresh.losses == [] and fresh.tokens == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, _weights(fresh)))
+    assert all(not w.optimizer.state for chain in fresh.workers for w in chain)
+
+
+def test_a_checkpoint_of_another_width_is_refused(tiny_cfg, cache_dir, tmp_path):
+    MeshTrainer(tiny_cfg("train.steps=1", "train.eval_every=0"), cache_dir).train(checkpoint_dir=tmp_path / "c")
+    other = MeshTrainer(tiny_cfg("model.tiny_hidden=32", "model.tiny_heads=2", "model.tiny_kv_heads=1"), cache_dir)
+    with pytest.raises(CheckpointError, match="holds other weights than this run's stage 0"):
+        other.load_checkpoint(tmp_path / "c")
+
+
+def test_a_save_cut_off_between_its_renames_resumes_from_the_one_before(tiny_cfg, cache_dir, tmp_path, caplog):
+    """save_checkpoint moves the old checkpoint to DIR.old before moving the new one in; if it stops between the two,
+    only DIR.old is left, and a resume takes it (with a warning) instead of starting over."""
+    cfg = tiny_cfg("train.steps=3", "train.eval_every=0", "train.bf16=false")
+    first = MeshTrainer(cfg, cache_dir)
+    first.train(until=2, checkpoint_dir=tmp_path / "c")
+    shutil.move(tmp_path / "c", tmp_path / "c.old")
+    resumed = MeshTrainer(cfg, cache_dir)
+    with caplog.at_level("WARNING"):
+        resumed.load_checkpoint(tmp_path / "c")
+    assert "a save was interrupted" in caplog.text
+    assert resumed.step == 2 and resumed.losses == first.losses
+    assert all(torch.equal(a, b) for a, b in zip(_weights(first), _weights(resumed)))
+    resumed.train(checkpoint_dir=tmp_path / "c")  # the next save completes and clears the old one
+    assert (tmp_path / "c" / "trainer.json").is_file() and not (tmp_path / "c.old").exists()
+    with pytest.raises(CheckpointError, match="no checkpoint in"):
+        MeshTrainer(cfg, cache_dir).load_checkpoint(tmp_path / "none")
 
 
 def test_export_loads_in_transformers(tiny_cfg, cache_dir, tmp_path):

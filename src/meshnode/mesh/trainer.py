@@ -59,6 +59,23 @@ class TrainResult:
         return {k: v / max(1, self.tokens) for k, v in self.bytes.items()}
 
 
+class CheckpointError(ValueError):
+    """A checkpoint this run cannot resume from: missing, damaged, or of another run's shape."""
+
+
+def _checkpoint_to_load(directory: Path) -> Path:
+    """``directory`` if it holds a checkpoint; else ``directory.old`` when a save was cut off between moving the old
+    checkpoint aside and moving the new one in (the new one, incomplete or not, is discarded)."""
+    if (directory / "trainer.json").is_file():
+        return directory
+    old = directory.with_name(directory.name + ".old")
+    if not directory.exists() and (old / "trainer.json").is_file():
+        logger.warning("no checkpoint in %s, but the one before it in %s (a save was interrupted): resuming from it",
+                       directory, old)
+        return old
+    raise CheckpointError(f"no checkpoint in {directory}")
+
+
 class MeshTrainer:
     """Build the model, cut it, replicate it X times, and train it as the run config says."""
 
@@ -262,30 +279,58 @@ class MeshTrainer:
         return directory
 
     def load_checkpoint(self, directory: Path) -> None:
-        directory = Path(directory)
-        meta_path = directory / "trainer.json"
-        if not meta_path.is_file():
-            raise FileNotFoundError(f"no checkpoint in {directory}")
-        meta = json.loads(meta_path.read_text())
-        if meta.get("replicas") != self.replicas or meta.get("stages") != self.num_stages:
-            raise ValueError(
-                f"checkpoint has {meta.get('replicas')} replicas x {meta.get('stages')} stages, "
-                f"this run {self.replicas} x {self.num_stages}"
-            )
-        state = torch.load(directory / "state.pt", weights_only=False, map_location=self.device)
+        """Resume from :meth:`save_checkpoint`'s ``directory``. Every file is read and checked against this run (its
+        replicas, stages and each stage's weight names and shapes) before anything changes: a damaged or foreign
+        checkpoint is a :class:`CheckpointError` naming the file, and leaves this trainer as it was. A save cut off
+        between its two renames left only ``directory.old``, the previous checkpoint: that is loaded, with a
+        warning."""
+        directory = _checkpoint_to_load(Path(directory))
+        try:
+            meta = json.loads((directory / "trainer.json").read_text())
+            step, tokens = int(meta["step"]), int(meta["tokens"])
+            losses = [float(x) for x in meta["losses"]]
+            counter = ByteCounter.from_snapshot(meta["bytes"])
+            shape = (meta.get("replicas"), meta.get("stages"))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"checkpoint {directory}: trainer.json is damaged ({exc})") from None
+        if shape != (self.replicas, self.num_stages):
+            raise CheckpointError(f"checkpoint has {shape[0]} replicas x {shape[1]} stages, "
+                                  f"this run {self.replicas} x {self.num_stages}")
+        try:  # its own checkpoint's pickled state (options, numbers); a truncated file raises whatever unpickling hit
+            state = torch.load(directory / "state.pt", weights_only=False, map_location=self.device)
+        except Exception as exc:  # noqa: BLE001 (torch.load's errors have no common base)
+            raise CheckpointError(f"checkpoint {directory}: state.pt is damaged ({type(exc).__name__}: {exc})"
+                                  ) from None
+        weights = {}
         for r, workers in enumerate(self.workers):
             for w in workers:
-                w.module.load_state_dict(load_file(str(directory / f"replica{r}-stage{w.index}.safetensors")))
+                key, path = f"{r}.{w.index}", directory / f"replica{r}-stage{w.index}.safetensors"
+                try:
+                    loaded = load_file(str(path))
+                except Exception as exc:  # noqa: BLE001 (safetensors' own error type, or OSError)
+                    raise CheckpointError(f"checkpoint {directory}: {path.name} is damaged "
+                                          f"({type(exc).__name__}: {exc})") from None
+                own = w.module.state_dict()
+                if loaded.keys() != own.keys() or any(loaded[k].shape != own[k].shape for k in own):
+                    raise CheckpointError(f"checkpoint {directory}: {path.name} holds other weights than this "
+                                          f"run's stage {w.index} (another model or cut)")
+                if not isinstance(state, dict) or key not in state.get("optim", {}):
+                    raise CheckpointError(f"checkpoint {directory}: state.pt has no optimizer state of {key}")
+                weights[key] = loaded
+        missing = [type(e).__name__ for e in self.extensions if type(e).__name__ not in state.get("extensions", {})]
+        if missing:
+            raise CheckpointError(f"checkpoint {directory}: state.pt has no state of {', '.join(missing)} "
+                                  "(saved by a run without it)")
+        for r, workers in enumerate(self.workers):
+            for w in workers:
+                w.module.load_state_dict(weights[f"{r}.{w.index}"])
                 w.load_optimizer_state(state["optim"][f"{r}.{w.index}"])
                 fits = state.get("fits", {}).get(f"{r}.{w.index}")  # reference coding's maps and codes
                 if fits is not None:
                     w.load_fit_state(fits)
         for e in self.extensions:
             e.load_state_dict(state["extensions"][type(e).__name__])
-        self.step = int(meta["step"])
-        self.tokens = int(meta["tokens"])
-        self.losses = list(meta["losses"])
-        self.counter = ByteCounter.from_snapshot(meta["bytes"])
+        self.step, self.tokens, self.losses, self.counter = step, tokens, losses, counter
         for workers in self.workers:
             for w in workers:
                 w.counter = self.counter
