@@ -1108,3 +1108,56 @@ def test_a_checkpoints_partial_step_that_does_not_fit_is_dropped_whole(tiny_cfg,
     host.worker.in_flight[object()] = None
     with pytest.raises(StageError, match="in flight"):
         host.worker.partial_step()
+
+
+def test_a_state_that_does_not_load_leaves_the_replica_as_it_was(tiny_cfg, cache_dir):
+    """A peer's state blob or a damaged checkpoint: truncated, a counter that is no count, a non-finite optimizer
+    moment, misshapen weights, or a state whose optimizer part fails to load after its weights did. Each is a
+    ValueError, and the replica keeps its own weights, optimizer state, counters and the step it had taken so far
+    (the last case is undone from a copy: before, the weights stayed half-loaded)."""
+    import io
+
+    cfg, donor, _, _, _ = _last_stage_host(tiny_cfg, cache_dir, "train.microbatches=2")
+    mbs = _microbatches(cfg, 2)
+
+    async def step_once(host):
+        await _feed(host, mbs, [0, 1])
+
+    asyncio.run(step_once(donor))
+    assert donor.opt_step == 1
+    blob = donor._state_blob()
+
+    def spoiled(fn):
+        state = torch.load(io.BytesIO(blob), weights_only=True)
+        fn(state)
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        return buf.getvalue()
+
+    def moment(state):
+        return next(iter(state["optimizer"]["adamw"]["state"].values()))["exp_avg"]
+
+    assert torch.is_tensor(moment(torch.load(io.BytesIO(blob), weights_only=True)))
+    weight = next(iter(torch.load(io.BytesIO(blob), weights_only=True)["weights"]))
+    bad = {
+        "truncated": (blob[: len(blob) // 2], "not a stage state"),
+        "step": (spoiled(lambda s: s.__setitem__("opt_step", -3)), "opt_step is -3, not a count"),
+        "nan moment": (spoiled(lambda s: moment(s).view(-1)[0].fill_(float("nan"))),
+                       "optimizer state holds non-finite"),
+        "shape": (spoiled(lambda s: s["weights"].__setitem__(weight, s["weights"][weight][:1])), "wrong shape"),
+        # the weights and AdamW's moments load before the missing step counter is found: undone
+        "half-way": (spoiled(lambda s: s["optimizer"].pop("fast_step")), "this replica's own state is kept"),
+    }
+    _, host, mod, _, _ = _last_stage_host(tiny_cfg, cache_dir, "train.microbatches=2")
+    asyncio.run(_feed(host, mbs[:1], [0]))  # one of its step's two microbatches taken
+    weights = {k: v.clone() for k, v in mod.state_dict().items()}
+    grads = {n: p.grad.clone() for n, p in mod.named_parameters()}
+    assert any(not torch.equal(weights[k], v) for k, v in donor.worker.module.state_dict().items())
+    for what, (b, needle) in bad.items():
+        with pytest.raises(ValueError, match=needle):
+            host.load_state_blob(b)
+        assert all(torch.equal(v, weights[k]) for k, v in mod.state_dict().items()), what
+        assert all(torch.equal(p.grad, grads[n]) for n, p in mod.named_parameters()), what
+        assert host.opt_step == 0 and host.pending_microbatches == 1 and not host.worker.optimizer.adamw.state, what
+    assert host.load_state_blob(blob) == 0 and host.opt_step == 1  # the donor's own state still loads
+    assert all(torch.equal(v, donor.worker.module.state_dict()[k]) for k, v in mod.state_dict().items())

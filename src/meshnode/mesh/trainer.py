@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from ..compression import ByteCounter
 from ..config import RunConfig, check_model_width
 from ..data import BatchSource, heldout_batches, make_tokenizer, prepare_corpus
+from ..errors import brief
 from ..model import StageModule, cut_model, load_model
 from ..optim import lr_at
 from ..stage import MicrobatchId, ReferenceModel, StageWorker, causal_lm_loss
@@ -299,7 +300,7 @@ class MeshTrainer:
         try:  # its own checkpoint's pickled state (options, numbers); a truncated file raises whatever unpickling hit
             state = torch.load(directory / "state.pt", weights_only=False, map_location=self.device)
         except Exception as exc:  # noqa: BLE001 (torch.load's errors have no common base)
-            raise CheckpointError(f"checkpoint {directory}: state.pt is damaged ({type(exc).__name__}: {exc})"
+            raise CheckpointError(f"checkpoint {directory}: state.pt is damaged ({brief(exc)})"
                                   ) from None
         weights = {}
         for r, workers in enumerate(self.workers):
@@ -309,7 +310,7 @@ class MeshTrainer:
                     loaded = load_file(str(path))
                 except Exception as exc:  # noqa: BLE001 (safetensors' own error type, or OSError)
                     raise CheckpointError(f"checkpoint {directory}: {path.name} is damaged "
-                                          f"({type(exc).__name__}: {exc})") from None
+                                          f"({brief(exc)})") from None
                 own = w.module.state_dict()
                 if loaded.keys() != own.keys() or any(loaded[k].shape != own[k].shape for k in own):
                     raise CheckpointError(f"checkpoint {directory}: {path.name} holds other weights than this "

@@ -355,20 +355,31 @@ class SwarmNode:
     async def _load_initial_state(self, ckpt: Path | None) -> None:
         host = self.host
         loaded_step = -1
+        partial = 0
         if ckpt is not None and ckpt.is_file():
             blob = ckpt.read_bytes()
-            partial = await host.run(host.load_state_blob, blob, True)
-            loaded_step = host.opt_step
+            try:
+                partial = await host.run(host.load_state_blob, blob, True)
+                loaded_step = host.opt_step
+            except ValueError as exc:  # damaged (a disk that filled up, a copy cut short): kept aside, not loaded
+                aside = ckpt.with_name(ckpt.name + ".damaged")
+                ckpt.replace(aside)
+                logger.error("checkpoint %s does not load (%s): moved to %s; this stage starts from its peers, an "
+                             "anchor's copy or the pretrained weights", ckpt, exc, aside)
+        if loaded_step >= 0:
             meta = ckpt.with_suffix(".json")
-            if meta.is_file() and not self.moves:  # a mover's counters and driver steps are this process's
-                m = json.loads(meta.read_text())
-                if int(m.get("opt_step", -1)) != loaded_step:  # a crash between the two renames of a save
+            try:  # a mover's counters and driver steps are this process's
+                m = json.loads(meta.read_text()) if meta.is_file() and not self.moves else None
+                if m is not None and int(m.get("opt_step", -1)) != loaded_step:  # a crash between a save's renames
                     logger.warning("checkpoint %s: its counters are of step %s, its state of step %d; counters "
                                    "not restored", meta, m.get("opt_step"), loaded_step)
-                else:
-                    self.counter.merge(ByteCounter.from_snapshot(m.get("bytes", {})))
-                    self.driver_step = int(m.get("driver_step", 0))
-                    self.driver_tokens = int(m.get("driver_tokens", 0))
+                elif m is not None:
+                    counters = ByteCounter.from_snapshot(m.get("bytes", {}))
+                    driver_step, driver_tokens = int(m.get("driver_step", 0)), int(m.get("driver_tokens", 0))
+                    self.counter.merge(counters)
+                    self.driver_step, self.driver_tokens = driver_step, driver_tokens
+            except (OSError, ValueError, TypeError, AttributeError, KeyError) as exc:
+                logger.warning("checkpoint %s is damaged (%s): counters not restored", meta, exc)
             logger.info("resumed stage %d from %s at step %d%s", self.stage, ckpt, loaded_step,
                         f", with {partial} of the step's {self.cfg.train.microbatches} microbatches taken" if partial
                         else "")

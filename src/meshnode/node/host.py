@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -38,6 +39,7 @@ import torch
 
 from ..compression import EncodedPayload, payload_bytes
 from ..config import RunConfig
+from ..errors import brief
 from ..optim import lr_at
 from ..protocol.limits import WEIGHT_CHUNK_BYTES, Limits
 from ..protocol.messages import (
@@ -623,19 +625,26 @@ class StageHost:
             yield {"ok": True, "data": blob[i * WEIGHT_CHUNK_BYTES : (i + 1) * WEIGHT_CHUNK_BYTES], "last": i == n - 1,
                    "opt_step": self.opt_step}
 
+    def _check_weights(self, weights: Any) -> None:
+        """ValueError unless ``weights`` holds every tensor of the stage's module, of its shape, floating point and
+        finite, and nothing else."""
+        own = self.worker.module.state_dict()
+        if not isinstance(weights, dict) or set(weights) != set(own):
+            names = set(weights) if isinstance(weights, dict) else set()
+            missing, extra = sorted(set(own) - names), sorted(names - set(own))
+            raise ValueError(f"weights do not fit the stage (missing {missing[:3]}, unknown {extra[:3]})")
+        for name, t in weights.items():
+            if (not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(own[name].shape)
+                    or not t.is_floating_point() or not bool(torch.isfinite(t).all())):
+                raise ValueError(f"weights {name!r}: wrong shape or dtype, or non-finite values")
+
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor], opt_step: int) -> None:
         """The stage's weights from elsewhere without an optimizer state (an anchor's copy): every tensor of the
         module, of its shape and finite, or nothing changes (ValueError). The optimizer step goes on from
         ``opt_step`` (the lr schedule); DP restarts from these weights."""
+        self._check_weights(weights)
         own = self.worker.module.state_dict()
-        if set(weights) != set(own):
-            missing, extra = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
-            raise ValueError(f"weights do not fit the stage (missing {missing[:3]}, unknown {extra[:3]})")
-        for name, t in weights.items():
-            if tuple(t.shape) != tuple(own[name].shape) or not t.is_floating_point() or not bool(
-                    torch.isfinite(t).all()):
-                raise ValueError(f"weights {name!r}: wrong shape or dtype, or non-finite values")
         self.worker.module.load_state_dict({n: t.to(own[n].dtype) for n, t in weights.items()})
         self.opt_step = int(opt_step)
         if self.dp is not None:
@@ -645,8 +654,23 @@ class StageHost:
         """Load a :meth:`state_blob` (before serving: no microbatch in flight). Any step this replica had
         accumulated is dropped (its gradients were of the weights replaced); ``partial`` (this peer's own
         checkpoint) restores the blob's partial step instead, if it has one and it fits this run (else it is
-        dropped with a warning). Returns the microbatches of the step restored."""
-        state = torch.load(io.BytesIO(blob), weights_only=True)
+        dropped with a warning). Returns the microbatches of the step restored.
+
+        A blob that is not a state of this stage (damaged, truncated, another model's shapes, non-finite values, an
+        optimizer or DP state that does not load) is a ValueError, and the replica keeps its own state whole: what
+        can be checked is checked first, and a load that fails half-way is undone from a copy taken before it (with
+        the step accumulated so far)."""
+        state = _read_state_blob(blob)
+        self._check_weights(state["weights"])
+        backup = self._state_blob(partial=True)
+        try:
+            return self._apply_state(state, partial)
+        except Exception as exc:  # noqa: BLE001 (any part of the state refused: undo the parts already loaded)
+            self._apply_state(_read_state_blob(backup), True)
+            raise ValueError(f"stage {self.stage}: the state does not load ({brief(exc)}); this "
+                             "replica's own state is kept") from None
+
+    def _apply_state(self, state: dict[str, Any], partial: bool) -> int:
         self.worker.clear_step()
         self._done = 0
         self.worker.module.load_state_dict(state["weights"])
@@ -678,6 +702,35 @@ class StageHost:
             return 0
         self._done = done
         return done
+
+
+def _read_state_blob(blob: bytes) -> dict[str, Any]:
+    """The dict of a :meth:`StageHost.state_blob`; ValueError if ``blob`` is not one (truncated, not a torch.save
+    of tensors and plain values, fields missing, step counters that are not counts, a non-finite optimizer or DP
+    tensor)."""
+    try:
+        state = torch.load(io.BytesIO(blob), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 (torch.load's errors have no common base)
+        raise ValueError(f"not a stage state ({brief(exc)})") from None
+    if not isinstance(state, dict) or not {"weights", "optimizer", "opt_step", "driver_step"} <= set(state):
+        raise ValueError("not a stage state (fields missing)")
+    for key in ("opt_step", "driver_step"):
+        if isinstance(state[key], bool) or not isinstance(state[key], int) or state[key] < 0:
+            raise ValueError(f"a stage state's {key} is {state[key]!r}, not a count")
+    for key in ("optimizer", "dp"):
+        if not _all_finite(state.get(key)):
+            raise ValueError(f"a stage state's {key} state holds non-finite values")
+    return state
+
+
+def _all_finite(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return not value.is_floating_point() or bool(torch.isfinite(value).all())
+    if isinstance(value, dict):
+        return all(_all_finite(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_all_finite(v) for v in value)
+    return not isinstance(value, float) or math.isfinite(value)
 
 
 # a state blob's bound per parameter: weights, AdamW's two moments, DP's start, velocity and error feedback, the
