@@ -72,7 +72,12 @@ def test_train_subprocess_writes_metrics(tmp_path, cache_dir):
     r = runner.invoke(app, ["export", "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "hf")])
     assert r.exit_code == 0 and (tmp_path / "hf" / "config.json").is_file()
     r = runner.invoke(app, ["export", "--checkpoint", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")])
-    assert r.exit_code == 1 and "not a meshnode checkpoint" in r.output
+    assert r.exit_code == 1 and "no checkpoint in" in r.output
+    weights = tmp_path / "ck" / "replica0-stage1.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])  # a copy cut short: one line, no traceback
+    r = runner.invoke(app, ["export", "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "y")])
+    assert r.exit_code == 1 and "replica0-stage1.safetensors is damaged" in r.output, r.output
+    assert "Traceback" not in r.output and not (tmp_path / "y").exists()
 
 
 def test_demo_methods_make_valid_configs_and_unknown_ones_fail(cache_dir):

@@ -7,14 +7,14 @@ apart, so the exported config says ``tie_word_embeddings = false``. Replica 0's 
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
+from ..errors import brief
 from ..model import assemble_hf_model, cut_model
+from .trainer import CheckpointError, checkpoint_to_load, read_checkpoint_meta, read_stage_weights
 
 logger = logging.getLogger(__name__)
 
@@ -23,17 +23,21 @@ def export_checkpoint(checkpoint: Path, out: Path, replica: int = 0) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     checkpoint, out = Path(checkpoint), Path(out)
-    meta_path = checkpoint / "trainer.json"
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"not a meshnode checkpoint (no trainer.json): {checkpoint}")
-    meta = json.loads(meta_path.read_text())
-    config = AutoConfig.from_pretrained(str(checkpoint / "hf_config.json"), local_files_only=True)
-    stages_n = int(meta["stages"])
-    boundaries = meta["config"]["model"]["boundaries"]
-    skeleton = AutoModelForCausalLM.from_config(config)
-    stages = cut_model(skeleton, stages_n, boundaries)
-    for s, module in stages.items():
-        module.load_state_dict(load_file(str(checkpoint / f"replica{replica}-stage{s}.safetensors")))
+    checkpoint = checkpoint_to_load(checkpoint)
+    meta = read_checkpoint_meta(checkpoint)
+    try:
+        config = AutoConfig.from_pretrained(str(checkpoint / "hf_config.json"), local_files_only=True)
+        stages_n = int(meta["stages"])
+        boundaries = meta["config"]["model"]["boundaries"]
+        if not 0 <= replica < int(meta["replicas"]):
+            raise ValueError(f"replica {replica}, but the checkpoint holds {meta['replicas']}")
+        skeleton = AutoModelForCausalLM.from_config(config)
+        stages = cut_model(skeleton, stages_n, boundaries)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {checkpoint}: not a model this checkpoint describes ({brief(exc)})"
+                              ) from None
+    for module in stages.values():
+        module.load_state_dict(read_stage_weights(checkpoint, replica, module))
     model = assemble_hf_model(config, [stages[s] for s in range(stages_n)])
     model.to(torch.float32)
     model.save_pretrained(str(out), safe_serialization=True)

@@ -64,7 +64,7 @@ class CheckpointError(ValueError):
     """A checkpoint this run cannot resume from: missing, damaged, or of another run's shape."""
 
 
-def _checkpoint_to_load(directory: Path) -> Path:
+def checkpoint_to_load(directory: Path) -> Path:
     """``directory`` if it holds a checkpoint; else ``directory.old`` when a save was cut off between moving the old
     checkpoint aside and moving the new one in (the new one, incomplete or not, is discarded)."""
     if (directory / "trainer.json").is_file():
@@ -74,7 +74,33 @@ def _checkpoint_to_load(directory: Path) -> Path:
         logger.warning("no checkpoint in %s, but the one before it in %s (a save was interrupted): resuming from it",
                        directory, old)
         return old
-    raise CheckpointError(f"no checkpoint in {directory}")
+    raise CheckpointError(f"no checkpoint in {directory} (no trainer.json)")
+
+
+def read_checkpoint_meta(directory: Path) -> dict:
+    """``trainer.json`` of a checkpoint directory (CheckpointError if it is damaged)."""
+    try:
+        meta = json.loads((directory / "trainer.json").read_text())
+        if not isinstance(meta, dict):
+            raise TypeError(f"a {type(meta).__name__}, not an object")
+        return meta
+    except (OSError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {directory}: trainer.json is damaged ({brief(exc)})") from None
+
+
+def read_stage_weights(directory: Path, replica: int, stage: StageModule) -> dict[str, torch.Tensor]:
+    """One stage's weights from a checkpoint directory, checked against ``stage``'s names and shapes
+    (CheckpointError if the file is damaged or holds another model's or cut's weights)."""
+    path = directory / f"replica{replica}-stage{stage.index}.safetensors"
+    try:
+        loaded = load_file(str(path))
+    except Exception as exc:  # noqa: BLE001 (safetensors' own error type, or OSError)
+        raise CheckpointError(f"checkpoint {directory}: {path.name} is damaged ({brief(exc)})") from None
+    own = stage.state_dict()
+    if loaded.keys() != own.keys() or any(loaded[k].shape != own[k].shape for k in own):
+        raise CheckpointError(f"checkpoint {directory}: {path.name} holds other weights than this run's stage "
+                              f"{stage.index} (another model or cut)")
+    return loaded
 
 
 class MeshTrainer:
@@ -285,9 +311,9 @@ class MeshTrainer:
         checkpoint is a :class:`CheckpointError` naming the file, and leaves this trainer as it was. A save cut off
         between its two renames left only ``directory.old``, the previous checkpoint: that is loaded, with a
         warning."""
-        directory = _checkpoint_to_load(Path(directory))
+        directory = checkpoint_to_load(Path(directory))
+        meta = read_checkpoint_meta(directory)
         try:
-            meta = json.loads((directory / "trainer.json").read_text())
             step, tokens = int(meta["step"]), int(meta["tokens"])
             losses = [float(x) for x in meta["losses"]]
             counter = ByteCounter.from_snapshot(meta["bytes"])
@@ -305,19 +331,10 @@ class MeshTrainer:
         weights = {}
         for r, workers in enumerate(self.workers):
             for w in workers:
-                key, path = f"{r}.{w.index}", directory / f"replica{r}-stage{w.index}.safetensors"
-                try:
-                    loaded = load_file(str(path))
-                except Exception as exc:  # noqa: BLE001 (safetensors' own error type, or OSError)
-                    raise CheckpointError(f"checkpoint {directory}: {path.name} is damaged "
-                                          f"({brief(exc)})") from None
-                own = w.module.state_dict()
-                if loaded.keys() != own.keys() or any(loaded[k].shape != own[k].shape for k in own):
-                    raise CheckpointError(f"checkpoint {directory}: {path.name} holds other weights than this "
-                                          f"run's stage {w.index} (another model or cut)")
+                key = f"{r}.{w.index}"
+                weights[key] = read_stage_weights(directory, r, w.module)
                 if not isinstance(state, dict) or key not in state.get("optim", {}):
                     raise CheckpointError(f"checkpoint {directory}: state.pt has no optimizer state of {key}")
-                weights[key] = loaded
         missing = [type(e).__name__ for e in self.extensions if type(e).__name__ not in state.get("extensions", {})]
         if missing:
             raise CheckpointError(f"checkpoint {directory}: state.pt has no state of {', '.join(missing)} "
