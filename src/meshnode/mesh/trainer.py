@@ -307,10 +307,12 @@ class MeshTrainer:
 
     def load_checkpoint(self, directory: Path) -> None:
         """Resume from :meth:`save_checkpoint`'s ``directory``. Every file is read and checked against this run (its
-        replicas, stages and each stage's weight names and shapes) before anything changes: a damaged or foreign
-        checkpoint is a :class:`CheckpointError` naming the file, and leaves this trainer as it was. A save cut off
-        between its two renames left only ``directory.old``, the previous checkpoint: that is loaded, with a
-        warning."""
+        replicas, stages, each stage's weight names and shapes, an optimizer state per worker and a state per
+        extension) before anything changes: a damaged or foreign checkpoint is a :class:`CheckpointError` naming the
+        file, and leaves this trainer as it was. (A state that passes these checks but was saved under other
+        optimizer or extension settings can still fail part-way through loading: build a fresh trainer then.) A
+        save cut off between its two renames left only ``directory.old``, the previous checkpoint: that is loaded,
+        with a warning."""
         directory = checkpoint_to_load(Path(directory))
         meta = read_checkpoint_meta(directory)
         try:
@@ -318,22 +320,23 @@ class MeshTrainer:
             losses = [float(x) for x in meta["losses"]]
             counter = ByteCounter.from_snapshot(meta["bytes"])
             shape = (meta.get("replicas"), meta.get("stages"))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"checkpoint {directory}: trainer.json is damaged ({exc})") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"checkpoint {directory}: trainer.json is damaged ({brief(exc)})") from None
         if shape != (self.replicas, self.num_stages):
             raise CheckpointError(f"checkpoint has {shape[0]} replicas x {shape[1]} stages, "
                                   f"this run {self.replicas} x {self.num_stages}")
         try:  # its own checkpoint's pickled state (options, numbers); a truncated file raises whatever unpickling hit
             state = torch.load(directory / "state.pt", weights_only=False, map_location=self.device)
         except Exception as exc:  # noqa: BLE001 (torch.load's errors have no common base)
-            raise CheckpointError(f"checkpoint {directory}: state.pt is damaged ({brief(exc)})"
-                                  ) from None
+            raise CheckpointError(f"checkpoint {directory}: state.pt is damaged ({brief(exc)})") from None
+        if not isinstance(state, dict) or not isinstance(state.get("optim"), dict):
+            raise CheckpointError(f"checkpoint {directory}: state.pt holds no optimizer states")
         weights = {}
         for r, workers in enumerate(self.workers):
             for w in workers:
                 key = f"{r}.{w.index}"
                 weights[key] = read_stage_weights(directory, r, w.module)
-                if not isinstance(state, dict) or key not in state.get("optim", {}):
+                if key not in state["optim"]:
                     raise CheckpointError(f"checkpoint {directory}: state.pt has no optimizer state of {key}")
         missing = [type(e).__name__ for e in self.extensions if type(e).__name__ not in state.get("extensions", {})]
         if missing:
