@@ -239,6 +239,10 @@ VARIANTS: dict[str, list[str]] = {
     "rotq1_refmap64_tc288_g72_p10_fisher_f8": [*REFMAP64_P10, "mask.reference_code_bits=288",
                                                "mask.reference_grad_code_bits=72",
                                                "mask.reference_code_metric=fisher", "mask.reference_fit_bits=8"],
+    # and a sixteenth (36 bits a token): where does the gradient code's slack end?
+    "rotq1_refmap64_tc288_g36_p10_fisher_f8": [*REFMAP64_P10, "mask.reference_code_bits=288",
+                                               "mask.reference_grad_code_bits=36",
+                                               "mask.reference_code_metric=fisher", "mask.reference_fit_bits=8"],
     # the whole system with the transform codes (twenty-third session): half a bit forward, a quarter back, and
     # plain-average DP with dp.v_correction (each replica fits its own maps and codes); and with PowerSGD rank 4
     "rotq1_refmap64_tc288_g144_p10_dpavg_vc": [*TC288_G144, *DP, *MB2, "dp.v_correction=true"],
