@@ -363,9 +363,13 @@ class SwarmNode:
                 loaded_step = host.opt_step
             except ValueError as exc:  # damaged (a disk that filled up, a copy cut short): kept aside, not loaded
                 aside = ckpt.with_name(ckpt.name + ".damaged")
-                ckpt.replace(aside)
-                logger.error("checkpoint %s does not load (%s): moved to %s; this stage starts from its peers, an "
-                             "anchor's copy or the pretrained weights", ckpt, exc, aside)
+                try:
+                    ckpt.replace(aside)
+                    where = f"moved to {aside}"
+                except OSError as move_exc:
+                    where = f"left in place ({move_exc.strerror})"
+                logger.error("checkpoint %s does not load (%s): %s; this stage starts from its peers, an anchor's "
+                             "copy or the pretrained weights", ckpt, exc, where)
         if loaded_step >= 0:
             meta = ckpt.with_suffix(".json")
             try:  # a mover's counters and driver steps are this process's
