@@ -21,11 +21,13 @@ import argparse
 import json
 import logging
 import platform
+import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from meshnode.compression.accounting import AXES
 from meshnode.config import load_config
 from meshnode.data import heldout_batches, prepare_corpus
 from meshnode.mesh import MeshTrainer
@@ -289,6 +291,28 @@ def jitter_gains(trainer: MeshTrainer, size: float, seed: int = 1) -> None:
             gain.mul_(1 + size * signs.to(gain))
 
 
+def step_bytes(records: list[dict]) -> list[dict[str, int]]:
+    """Bytes sent in each step, per axis (the step records carry the running totals)."""
+    out, before = [], dict.fromkeys(AXES, 0)
+    for rec in records:
+        if "loss" in rec and "bytes" in rec:
+            out.append({a: rec["bytes"][a] - before[a] for a in AXES})
+            before = {a: rec["bytes"][a] for a in AXES}
+    return out
+
+
+def steady_bytes_per_token(per_step: list[dict[str, int]], tokens_per_step: float) -> dict[str, float]:
+    """Bytes per token of the median step of the run's second half, per axis and in total: what a step costs
+    when it ships no fit (fits come every few steps) and the warm-up is over, measured, not derived from the
+    codes' sizes. Empty for a run of no steps."""
+    half = per_step[len(per_step) // 2:]
+    if not half or tokens_per_step <= 0:
+        return {}
+    out = {a: statistics.median(s[a] for s in half) / tokens_per_step for a in AXES}
+    out["total"] = statistics.median(sum(s.values()) for s in half) / tokens_per_step
+    return out
+
+
 def run_one(task: str, name: str, overrides: list[str], steps: int, args, eval_sets) -> dict:
     cfg_path = ROOT / "configs" / TASKS[task]
     live_gains = LIVE_GAINS in overrides
@@ -318,6 +342,7 @@ def run_one(task: str, name: str, overrides: list[str], steps: int, args, eval_s
     wall = time.perf_counter() - t0
     held = {corpus: trainer.heldout_loss(batches=batches) for corpus, batches in eval_sets.items()}
     final = records[-1]
+    per_step = step_bytes(records)
     extra = {}
     if live_gains:  # how far the loaded copy would have been from the trained gains (largest relative difference)
         extra["gain_drift_max_rel"] = round(max(
@@ -326,6 +351,9 @@ def run_one(task: str, name: str, overrides: list[str], steps: int, args, eval_s
     return {
         **extra, "overrides": overrides, "steps": run_steps, "replicas": replicas, "tokens": result.tokens,
         "heldout_loss": held, "bytes_per_token": final["bytes_per_token"], "wall_s": round(wall, 1),
+        "bytes_per_token_steady": {a: round(v, 2) for a, v in
+                                   steady_bytes_per_token(per_step, result.tokens / max(1, run_steps)).items()},
+        "bytes_per_step": per_step,
         "tokens_per_s": final["tokens_per_s"],
         "loss_curve": [round(r["loss"], 4) for r in records if "loss" in r],
         "eval_curve": [[r["step"], round(r["heldout_loss"], 4)] for r in records

@@ -64,3 +64,26 @@ def test_gain_jitter_moves_each_channel_by_its_size(tiny_cfg, cache_dir):
             assert (ratio > 1).any() and (ratio < 1).any()
     first = [w.module.next_input_gain for w in trainer.workers[0][:-1]]
     assert all(torch.equal(a, w.module.next_input_gain) for a, w in zip(first, trainer.workers[1][:-1]))
+
+
+def test_the_steady_step_cost_is_a_step_without_a_fit(tiny_cfg, cache_dir):
+    """The per-step bytes add up to the run's counter, and the steady cost is that of the steps that ship codes only:
+    below the run's mean (which carries the fits and the uncoded warm-up), and exactly the cheapest step's."""
+    cfg = tiny_cfg("train.steps=8", "train.eval_every=0", "model.stages=3", "mask.warmup_steps=2",
+                   "mask.codec=rotq", "mask.bits=1", "mask.reference=both", "mask.reference_map_rank=8",
+                   "mask.reference_map_period=4", "mask.reference_code_bits=32", "mask.reference_grad_code_bits=16")
+    trainer = MeshTrainer(cfg, cache_dir)
+    records: list[dict] = []
+    trainer.train(metrics=records.append)
+    per_step = qt.step_bytes(records)
+    assert len(per_step) == 8
+    final = trainer.counter.snapshot()
+    assert {a: sum(s[a] for s in per_step) for a in qt.AXES} == {a: final[a] for a in qt.AXES}
+    totals = [sum(s.values()) for s in per_step]
+    assert len(set(totals[4:])) == 2, f"expected fit and no-fit steps in the second half: {totals}"
+    per_step_tokens = trainer.tokens / 8
+    steady = qt.steady_bytes_per_token(per_step, per_step_tokens)
+    assert steady["total"] == min(totals[4:]) / per_step_tokens
+    assert steady["total"] < final["total"] / trainer.tokens
+    assert steady["pp_fwd"] > 0 and steady["pp_bwd"] > 0 and steady["dp"] == 0
+    assert qt.steady_bytes_per_token([], per_step_tokens) == {}
