@@ -374,18 +374,19 @@ def render(path: Path) -> None:
         lines += [
             f"### {task}", "",
             "| variant | held-out linux-doc | held-out sotu | vs dense (task corpus) | "
-            "pp_fwd | pp_bwd | dp | anchor | total B/token | wall s |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "pp_fwd | pp_bwd | dp | anchor | total B/token | a step without a fit, B/token | wall s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         if before:
-            lines.append(f"| (no training) | {before['linuxdoc']:.3f} | {before['sotu']:.3f} | | | | | | | |")
+            lines.append(f"| (no training) | {before['linuxdoc']:.3f} | {before['sotu']:.3f} | | | | | | | | |")
         own = "linuxdoc" if task == "domain" else "sotu"
         for name, r in runs.items():
             h, b = r["heldout_loss"], r["bytes_per_token"]
             rel = f"{(h[own] / dense['heldout_loss'][own] - 1) * 100:+.1f}%" if dense else ""
+            steady = f"{r['bytes_per_token_steady']['total']:.1f}" if r.get("bytes_per_token_steady") else ""
             lines.append(
                 f"| {name} | {h['linuxdoc']:.3f} | {h['sotu']:.3f} | {rel} | {b['pp_fwd']:.0f} | {b['pp_bwd']:.0f} | "
-                f"{b['dp']:.0f} | {b['anchor']:.0f} | {b['total']:.0f} | {r['wall_s']:.0f} |"
+                f"{b['dp']:.0f} | {b['anchor']:.0f} | {b['total']:.0f} | {steady} | {r['wall_s']:.0f} |"
             )
         lines.append("")
     md = path.with_suffix(".md")
