@@ -304,7 +304,8 @@ def step_bytes(records: list[dict]) -> list[dict[str, int]]:
 def steady_bytes_per_token(per_step: list[dict[str, int]], tokens_per_step: float) -> dict[str, float]:
     """Bytes per token of the median step of the run's second half, per axis and in total: what a step costs
     when it ships no fit (fits come every few steps) and the warm-up is over, measured, not derived from the
-    codes' sizes. Empty for a run of no steps."""
+    codes' sizes. Like the fits, DP's syncs (every H steps) fall outside the median: a DP row's periodic costs are
+    in its ``bytes_per_token`` only. Empty for a run of no steps."""
     half = per_step[len(per_step) // 2:]
     if not half or tokens_per_step <= 0:
         return {}
