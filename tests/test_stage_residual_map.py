@@ -163,6 +163,21 @@ def test_in_the_mesh_the_map_is_sent_once_per_fit_and_shrinks_the_coded_residual
         w.discard(mb)
 
 
+def test_the_first_fit_can_come_before_the_period(tiny_cfg, cache_dir):
+    """``mask.reference_map_first``: the first fit after that many steps, then every period; 0 = the period itself."""
+    versions = {}
+    for first in (0, 1):
+        t = MeshTrainer(tiny_cfg(*MAPPED, "mask.reference_map_rank=4", "mask.reference_map_period=3",
+                                 f"mask.reference_map_first={first}"), cache_dir)
+        versions[first] = []
+        for _ in range(5):
+            t.train_step()
+            versions[first].append(t.workers[0][0].map_out.version)
+    assert versions == {0: [0, 0, 1, 1, 1], 1: [1, 1, 1, 2, 2]}
+    with pytest.raises(ConfigError, match="reference_map_first"):
+        tiny_cfg(*MAPPED, "mask.reference_map_rank=4", "mask.reference_map_first=-1")
+
+
 def test_a_worker_refuses_a_map_it_never_got_or_does_not_use(tiny_cfg, cache_dir):
     t = MeshTrainer(tiny_cfg(*MAPPED, "mask.reference_map_rank=4", "mask.reference_map_period=1"), cache_dir)
     t.train_step()

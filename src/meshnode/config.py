@@ -127,6 +127,9 @@ class MaskConfig:
     # (meshnode.stage.reference.ResidualMap); 0 = off
     reference_map_rank: int = 0
     reference_map_period: int = 20
+    # the step after which the first fit comes (the warm-up before it codes by rotq alone); later fits follow every
+    # ``reference_map_period`` steps after it. 0 = the period itself (a longer period delays the first fit too)
+    reference_map_first: int = 0
     # with a reference and rotq: the sender also fits a transform code (a KLT of what it codes, bits by variance;
     # meshnode.compression.transform) at the same period, ships it with the map, and codes the activation in this
     # many bits per token instead of rotq's ``bits`` x H (rotq before the first fit); 0 = off
@@ -304,7 +307,7 @@ _NON_NEGATIVE = {
     "train.steps", "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every",
     "train.checkpoint_every", "train.threads", "mask.warmup_steps", "spectral.tau", "spectral.rank", "data.max_docs",
     "anchor.batch_size", "dp.outer_lr", "train.eps", "mask.reference_map_rank", "mask.reference_code_bits",
-    "mask.reference_grad_code_bits",
+    "mask.reference_grad_code_bits", "mask.reference_map_first",
 }
 
 

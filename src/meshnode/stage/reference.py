@@ -190,6 +190,14 @@ class ReferenceModel:
         return g
 
 
+def fits_after(step: int, mask) -> bool:
+    """Whether a sender refits its residual map and transform codes after the (0-based) ``step``: first after step
+    ``mask.reference_map_first`` (1-based; 0 = the period), then every ``mask.reference_map_period`` steps."""
+    period = mask.reference_map_period
+    done = step + 1 - (mask.reference_map_first or period)
+    return done >= 0 and done % period == 0
+
+
 def peer_plan(stage: int, num_stages: int, mode: str) -> tuple[list[int], list[int]]:
     """The frozen stages a swarm peer of ``stage`` runs per microbatch for ``mode``: (forward only, forward and
     input backward).

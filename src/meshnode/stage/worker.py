@@ -42,7 +42,17 @@ from ..config import RunConfig
 from ..model import StageModule
 from ..model.precision import use_bf16
 from ..optim import MicrobatchNoise, SpectralAdamW
-from .reference import CODE_TENSORS, MAP_META, MAP_TENSORS, STEP_TENSORS, MapFit, MapStore, ReferenceModel, ResidualMap
+from .reference import (
+    CODE_TENSORS,
+    MAP_META,
+    MAP_TENSORS,
+    STEP_TENSORS,
+    MapFit,
+    MapStore,
+    ReferenceModel,
+    ResidualMap,
+    fits_after,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -479,7 +489,7 @@ class StageWorker:
         else:
             self._apply(params, total, variance, step, lr)
         self.zero_grad()
-        if (step + 1) % self.cfg.mask.reference_map_period == 0:
+        if fits_after(step, self.cfg.mask):
             for what, fit in (("residual map", self.map_out), ("gradient code", self.gcode_out)):
                 if fit is None:
                     continue
