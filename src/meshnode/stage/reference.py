@@ -31,8 +31,9 @@ boundary is a function of the pretrained value itself: ``scripts/probe_residual_
 ``r ~ centre(h_ref) A`` that, fitted on the training microbatches a sender has just seen, halves what the 1-bit
 residual code costs the held-out loss (``docs/quality.md``). :class:`ResidualMap` is the sender's side: it
 accumulates the statistics of (h_ref, r) over its microbatches, refits a rank-k ``A = U V^T`` (ridge regression,
-then reduced rank) every ``mask.reference_map_period`` steps, and sends ``U`` and ``V`` (2 k H values in bfloat16)
-once with the next payload; from then on it codes ``r - centre(h_ref) U V^T``. :class:`MapStore` is the
+then reduced rank) every ``mask.reference_map_period`` steps (the first after ``mask.reference_map_first``, see
+:func:`fits_after`), and sends ``U`` and ``V`` (2 k H values in bfloat16) once with the next payload; from then
+on it codes ``r - centre(h_ref) U V^T``. :class:`MapStore` is the
 receiver's: it keeps the maps it was sent, by sender and version, and adds the same prediction back. Every payload
 coded against a map names it (``meta["ref_map"] = [sender, version]``); a receiver that lacks it refuses the
 microbatch. In the mesh a map goes out once, with the next payload; in the swarm the sending host attaches it
