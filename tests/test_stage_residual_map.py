@@ -11,7 +11,7 @@ import torch
 
 from meshnode.compression import PayloadError, make_codec
 from meshnode.config import ConfigError
-from meshnode.mesh import MeshTrainer
+from meshnode.mesh import CheckpointError, MeshTrainer
 from meshnode.stage import MapStore, MicrobatchId, ResidualMap
 from meshnode.stage.reference import MAP_META, MAP_TENSORS, apply_map, map_bytes
 
@@ -249,8 +249,29 @@ def test_resume_with_maps_and_codes_is_bit_identical(tiny_cfg, cache_dir, tmp_pa
     assert resumed.losses == straight.losses
     other = MeshTrainer(tiny_cfg(*MAPPED, "mask.reference_map_rank=8", "mask.reference_map_period=2",
                                  "mask.reference_code_bits=64", "mask.reference_grad_code_bits=32", *extra), cache_dir)
-    with pytest.raises(ValueError, match="does not fit"):  # its maps are of rank 8: the checkpoint's of rank 4
-        other.load_checkpoint(tmp_path / "ckpt")
+    other.train_step()
+    other.train_step()  # a map fitted, optimizer state: what a failed load must leave as it was
+    before = [copy.deepcopy((w.module.state_dict(), w.optimizer_state(), w.fit_state())) for w in other.workers[0]]
+    with pytest.raises(CheckpointError, match="other settings.*does not fit.*nothing was loaded"):
+        other.load_checkpoint(tmp_path / "ckpt")  # its maps are of rank 8: the checkpoint's of rank 4, found part-way
+    assert other.step == 2 and other.workers[0][0].map_out.version == 1
+    for w, (weights, optim, fits) in zip(other.workers[0], before):
+        _assert_equal_trees((weights, optim, fits), (w.module.state_dict(), w.optimizer_state(), w.fit_state()))
+
+
+def _assert_equal_trees(a, b):
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys()
+        for k in a:
+            _assert_equal_trees(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_equal_trees(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    else:
+        assert a == b
 
 
 def test_a_peers_state_carries_its_own_fits_under_a_new_sender(tiny_cfg, cache_dir, caplog):

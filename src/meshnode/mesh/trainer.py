@@ -305,12 +305,37 @@ class MeshTrainer:
         shutil.rmtree(old, ignore_errors=True)
         return directory
 
+    def _resumable_state(self) -> tuple[dict, dict]:
+        """A copy of what :meth:`_load_resumable_state` replaces, in its arguments' form (to undo a failed load)."""
+        weights, state = {}, {"optim": {}, "fits": {}, "extensions": {}}
+        for r, workers in enumerate(self.workers):
+            for w in workers:
+                key = f"{r}.{w.index}"
+                weights[key] = {k: v.detach().clone() for k, v in w.module.state_dict().items()}
+                state["optim"][key] = copy.deepcopy(w.optimizer_state())
+                state["fits"][key] = copy.deepcopy(w.fit_state())
+        for e in self.extensions:
+            state["extensions"][type(e).__name__] = copy.deepcopy(e.state_dict())
+        return weights, state
+
+    def _load_resumable_state(self, weights: dict, state: dict) -> None:
+        for r, workers in enumerate(self.workers):
+            for w in workers:
+                w.module.load_state_dict(weights[f"{r}.{w.index}"])
+                w.load_optimizer_state(state["optim"][f"{r}.{w.index}"])
+                fits = state.get("fits", {}).get(f"{r}.{w.index}")  # reference coding's maps and codes
+                if fits is not None:
+                    w.load_fit_state(fits)
+        for e in self.extensions:
+            e.load_state_dict(state["extensions"][type(e).__name__])
+
     def load_checkpoint(self, directory: Path) -> None:
         """Resume from :meth:`save_checkpoint`'s ``directory``. Every file is read and checked against this run (its
         replicas, stages, each stage's weight names and shapes, an optimizer state per worker and a state per
         extension) before anything changes: a damaged or foreign checkpoint is a :class:`CheckpointError` naming the
-        file, and leaves this trainer as it was. (A state that passes these checks but was saved under other
-        optimizer or extension settings can still fail part-way through loading: build a fresh trainer then.) A
+        file, and leaves this trainer as it was. A state that passes these checks but was saved under other optimizer,
+        coding or extension settings fails while loading: everything loaded so far is put back as it was, and that
+        too is a :class:`CheckpointError`. A
         save cut off between its two renames left only ``directory.old``, the previous checkpoint: that is loaded,
         with a warning."""
         directory = checkpoint_to_load(Path(directory))
@@ -342,15 +367,13 @@ class MeshTrainer:
         if missing:
             raise CheckpointError(f"checkpoint {directory}: state.pt has no state of {', '.join(missing)} "
                                   "(saved by a run without it)")
-        for r, workers in enumerate(self.workers):
-            for w in workers:
-                w.module.load_state_dict(weights[f"{r}.{w.index}"])
-                w.load_optimizer_state(state["optim"][f"{r}.{w.index}"])
-                fits = state.get("fits", {}).get(f"{r}.{w.index}")  # reference coding's maps and codes
-                if fits is not None:
-                    w.load_fit_state(fits)
-        for e in self.extensions:
-            e.load_state_dict(state["extensions"][type(e).__name__])
+        before = self._resumable_state()
+        try:
+            self._load_resumable_state(weights, state)
+        except Exception as exc:  # noqa: BLE001 (a state of other settings fails wherever its loader notices)
+            self._load_resumable_state(*before)
+            raise CheckpointError(f"checkpoint {directory} was saved under other settings than this run's "
+                                  f"({brief(exc)}); nothing was loaded") from exc
         self.step, self.tokens, self.losses, self.counter = step, tokens, losses, counter
         for workers in self.workers:
             for w in workers:
