@@ -241,12 +241,13 @@ VARIANTS: dict[str, list[str]] = {
     "rotq1_refmap64_tc288_g72_p10_fisher_f8": [*REFMAP64_P10, "mask.reference_code_bits=288",
                                                "mask.reference_grad_code_bits=72",
                                                "mask.reference_code_metric=fisher", "mask.reference_fit_bits=8"],
-    # the same refitted half as often (every 20 steps) with the first fit still after 10 (twenty-ninth session): at
-    # scale a fit's bytes per token fall with the period, the warm-up's do not matter; what does the staleness cost?
-    "rotq1_refmap64_tc288_g72_p20_first10_fisher_f8": [*REFMAP64_P10, "mask.reference_map_period=20",
-                                                       "mask.reference_map_first=10", "mask.reference_code_bits=288",
-                                                       "mask.reference_grad_code_bits=72", "mask.reference_fit_bits=8",
-                                                       "mask.reference_code_metric=fisher"],
+    # the same refitted half as often (every 20 steps) or twice as often (every 5), the first fit still after 10
+    # (twenty-ninth session): at scale a fit's bytes per token fall with the period, the warm-up's do not matter; what
+    # does a fit's age cost?
+    **{f"rotq1_refmap64_tc288_g72_p{p}_first10_fisher_f8": [
+        *REFMAP64_P10, f"mask.reference_map_period={p}", "mask.reference_map_first=10", "mask.reference_code_bits=288",
+        "mask.reference_grad_code_bits=72", "mask.reference_fit_bits=8", "mask.reference_code_metric=fisher"]
+       for p in (5, 20)},
     # and a sixteenth (36 bits a token): where does the gradient code's slack end?
     "rotq1_refmap64_tc288_g36_p10_fisher_f8": [*REFMAP64_P10, "mask.reference_code_bits=288",
                                                "mask.reference_grad_code_bits=36",
