@@ -176,6 +176,8 @@ def test_the_first_fit_can_come_before_the_period(tiny_cfg, cache_dir):
     assert versions == {0: [0, 0, 1, 1, 1], 1: [1, 1, 1, 2, 2]}
     with pytest.raises(ConfigError, match="reference_map_first"):
         tiny_cfg(*MAPPED, "mask.reference_map_rank=4", "mask.reference_map_first=-1")
+    with pytest.raises(ConfigError, match="reference_map_first sets when"):  # nothing is fitted: a mistake
+        tiny_cfg(*MAPPED, "mask.reference_map_first=10")
 
 
 def test_a_worker_refuses_a_map_it_never_got_or_does_not_use(tiny_cfg, cache_dir):

@@ -432,6 +432,10 @@ def _cross_check(cfg: RunConfig) -> None:
                                                   or cfg.mask.reference_grad_code_bits):
         raise ConfigError("mask.reference_fit_bits sets how a residual map or transform code travels: it needs "
                           "mask.reference_map_rank, mask.reference_code_bits or mask.reference_grad_code_bits")
+    if cfg.mask.reference_map_first and not (cfg.mask.reference_map_rank or cfg.mask.reference_code_bits
+                                             or cfg.mask.reference_grad_code_bits):
+        raise ConfigError("mask.reference_map_first sets when a residual map or transform code is first fitted: it "
+                          "needs mask.reference_map_rank, mask.reference_code_bits or mask.reference_grad_code_bits")
     if cfg.mask.reference_code_metric != "plain" and not cfg.mask.reference_code_bits:
         raise ConfigError("mask.reference_code_metric weights the activation's transform code: it needs "
                           "mask.reference_code_bits")
