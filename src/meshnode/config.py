@@ -428,14 +428,12 @@ def _cross_check(cfg: RunConfig) -> None:
     if cfg.mask.reference_grad_code_bits and (cfg.mask.reference != "both" or cfg.mask.codec != "rotq"):
         raise ConfigError("mask.reference_grad_code_bits codes the gradient's reference residual by a fitted "
                           "transform: it needs mask.reference = both and mask.codec = rotq")
-    if cfg.mask.reference_fit_bits != 16 and not (cfg.mask.reference_map_rank or cfg.mask.reference_code_bits
-                                                  or cfg.mask.reference_grad_code_bits):
-        raise ConfigError("mask.reference_fit_bits sets how a residual map or transform code travels: it needs "
-                          "mask.reference_map_rank, mask.reference_code_bits or mask.reference_grad_code_bits")
-    if cfg.mask.reference_map_first and not (cfg.mask.reference_map_rank or cfg.mask.reference_code_bits
-                                             or cfg.mask.reference_grad_code_bits):
-        raise ConfigError("mask.reference_map_first sets when a residual map or transform code is first fitted: it "
-                          "needs mask.reference_map_rank, mask.reference_code_bits or mask.reference_grad_code_bits")
+    fits = cfg.mask.reference_map_rank or cfg.mask.reference_code_bits or cfg.mask.reference_grad_code_bits
+    for key, what, unset in (("reference_fit_bits", "how a residual map or transform code travels", 16),
+                             ("reference_map_first", "when a residual map or transform code is first fitted", 0)):
+        if getattr(cfg.mask, key) != unset and not fits:
+            raise ConfigError(f"mask.{key} sets {what}: it needs mask.reference_map_rank, mask.reference_code_bits "
+                              "or mask.reference_grad_code_bits")
     if cfg.mask.reference_code_metric != "plain" and not cfg.mask.reference_code_bits:
         raise ConfigError("mask.reference_code_metric weights the activation's transform code: it needs "
                           "mask.reference_code_bits")
