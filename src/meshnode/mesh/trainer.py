@@ -279,15 +279,11 @@ class MeshTrainer:
         tmp = directory.with_name(directory.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        optim, fits = {}, {}
-        for r, workers in enumerate(self.workers):
-            for w in workers:
-                weights = {k: v.detach().contiguous() for k, v in w.module.state_dict().items()}
-                save_file(weights, str(tmp / f"replica{r}-stage{w.index}.safetensors"))
-                optim[f"{r}.{w.index}"] = w.optimizer_state()
-                fits[f"{r}.{w.index}"] = w.fit_state()
-        ext_state = {type(e).__name__: e.state_dict() for e in self.extensions}
-        torch.save({"optim": optim, "extensions": ext_state, "fits": fits}, tmp / "state.pt")
+        weights, state = self._resumable_state()
+        for key, stage_weights in weights.items():
+            r, s = key.split(".")
+            save_file(stage_weights, str(tmp / f"replica{r}-stage{s}.safetensors"))
+        torch.save(state, tmp / "state.pt")
         meta = {
             "format": CHECKPOINT_FORMAT, "step": self.step, "tokens": self.tokens, "losses": self.losses,
             "bytes": self.counter.snapshot(), "run_id": self.cfg.run_id, "config": self.cfg.to_dict(),
@@ -305,17 +301,20 @@ class MeshTrainer:
         shutil.rmtree(old, ignore_errors=True)
         return directory
 
-    def _resumable_state(self) -> tuple[dict, dict]:
-        """A copy of what :meth:`_load_resumable_state` replaces, in its arguments' form (to undo a failed load)."""
+    def _resumable_state(self, copied: bool = False) -> tuple[dict, dict]:
+        """What a checkpoint holds of the workers and extensions, in :meth:`_load_resumable_state`'s arguments'
+        form: ({"replica.stage": weights}, {"optim", "fits", "extensions"}); the live tensors, or a copy
+        (``copied``: to put back after a failed load)."""
+        own = copy.deepcopy if copied else (lambda x: x)
         weights, state = {}, {"optim": {}, "fits": {}, "extensions": {}}
         for r, workers in enumerate(self.workers):
             for w in workers:
                 key = f"{r}.{w.index}"
-                weights[key] = {k: v.detach().clone() for k, v in w.module.state_dict().items()}
-                state["optim"][key] = copy.deepcopy(w.optimizer_state())
-                state["fits"][key] = copy.deepcopy(w.fit_state())
+                weights[key] = own({k: v.detach().contiguous() for k, v in w.module.state_dict().items()})
+                state["optim"][key] = own(w.optimizer_state())
+                state["fits"][key] = own(w.fit_state())
         for e in self.extensions:
-            state["extensions"][type(e).__name__] = copy.deepcopy(e.state_dict())
+            state["extensions"][type(e).__name__] = own(e.state_dict())
         return weights, state
 
     def _load_resumable_state(self, weights: dict, state: dict) -> None:
@@ -367,7 +366,7 @@ class MeshTrainer:
         if missing:
             raise CheckpointError(f"checkpoint {directory}: state.pt has no state of {', '.join(missing)} "
                                   "(saved by a run without it)")
-        before = self._resumable_state()
+        before = self._resumable_state(copied=True)
         try:
             self._load_resumable_state(weights, state)
         except Exception as exc:  # noqa: BLE001 (a state of other settings fails wherever its loader notices)
