@@ -248,6 +248,11 @@ VARIANTS: dict[str, list[str]] = {
         *REFMAP64_P10, f"mask.reference_map_period={p}", "mask.reference_map_first=10", "mask.reference_code_bits=288",
         "mask.reference_grad_code_bits=72", "mask.reference_fit_bits=8", "mask.reference_code_metric=fisher"]
        for p in (5, 20)},
+    # the fits in 4 bits per value (thirtieth session): a fit's ~440 kB become ~230 kB, so at the same period the
+    # fits cost about half the bytes per token; what does the coarser basis and map cost?
+    "rotq1_refmap64_tc288_g72_p10_fisher_f4": [*REFMAP64_P10, "mask.reference_code_bits=288",
+                                               "mask.reference_grad_code_bits=72",
+                                               "mask.reference_code_metric=fisher", "mask.reference_fit_bits=4"],
     # and a sixteenth (36 bits a token): where does the gradient code's slack end?
     "rotq1_refmap64_tc288_g36_p10_fisher_f8": [*REFMAP64_P10, "mask.reference_code_bits=288",
                                                "mask.reference_grad_code_bits=36",

@@ -138,7 +138,7 @@ class MaskConfig:
     # code of ``g - g_ref`` at the map's period and ships it with the gradients; 0 = off (rotq's ``grad_bits``)
     reference_grad_code_bits: int = 0
     # the (H, k) matrices of a fit (the map's U and V, a transform code's basis) on the wire: 16 = bfloat16, 8 = int8
-    # with a float32 step per column (about half a fit's bytes)
+    # with a float32 step per column (about half a fit's bytes), 4 = 4-bit codes with the same steps (about a quarter)
     reference_fit_bits: int = 16
     # the activation's transform code minimises: "plain" the squared error, "fisher" the error weighted by the
     # empirical Fisher of the boundary (sum g g^T of the gradients its sender receives)
@@ -271,7 +271,7 @@ _CHOICES = {
     "mask.bits": (1, 2, 4),
     "mask.rotq_weight": ("none", "norm", "norm_std"),
     "mask.grad_bits": (0, 1, 2, 4),
-    "mask.reference_fit_bits": (16, 8),
+    "mask.reference_fit_bits": (16, 8, 4),
     "mask.reference_code_metric": ("plain", "fisher"),
     "mask.reference_code_grad": ("straight", "project"),
     "mask.grad_weight": ("none", "std"),

@@ -183,7 +183,8 @@ def payload_from_wire(body: Any, limits: Limits, kind: str) -> EncodedPayload:
         tt = tensor_from_bytes(data[name], spec[0], spec[1])
         per_channel = tt.dim() == 1 and tt.shape[0] == h  # (H,): channel means (mask fill = mean, rotq)
         if name in REF_MAP_TENSORS or name == REF_CODE_TENSORS[0]:  # residual map, transform basis: (H, k), k <= H
-            if tt.dim() != 2 or tt.shape[0] != h or tt.shape[1] > h:
+            # (ceil(H / 2), k) with 4-bit codes packed two rows to a byte
+            if tt.dim() != 2 or tt.shape[0] not in (h, (h + 1) // 2) or tt.shape[1] > h:
                 raise WireError(f"tensor {name!r} of shape {list(tt.shape)} is not a residual map ({h}, k <= {h})")
         elif name in REF_CODE_TENSORS or name in REF_FIT_STEP_TENSORS:  # (m,), m <= H: the transform's scales and
             # bits, an 8-bit matrix's steps

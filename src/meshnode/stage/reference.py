@@ -49,11 +49,12 @@ its code with its gradients: in the mesh once per fit, in the swarm with the rep
 not list it among the codes it holds (``held_codes``), so a caller that restarted gets it again.
 
 ``mask.reference_fit_bits = 8`` sends a fit's (H, k) matrices as int8 with a float32 step per column (about half
-its bytes; both ends use the decoded values). ``mask.reference_code_metric = "fisher"`` weights the activation's
-code by the empirical Fisher of the boundary, from the gradients its sender receives (``observe_grad``); nothing
-changes on the wire. ``mask.reference_code_grad = "project"`` has the sender apply the gradient it receives through
-its code's linear part (:func:`meshnode.compression.tc_grad`, in ``StageWorker.backward``): its weights are not
-pushed along the directions the code did not send, which the next stage never saw.
+its bytes; both ends use the decoded values), ``4`` as 4-bit codes two to a byte (about a quarter).
+``mask.reference_code_metric = "fisher"`` weights the activation's code by the empirical Fisher of the boundary,
+from the gradients its sender receives (``observe_grad``); nothing changes on the wire. ``mask.reference_code_grad =
+"project"`` has the sender apply the gradient it receives through its code's linear part
+(:func:`meshnode.compression.tc_grad`, in ``StageWorker.backward``): its weights are not pushed along the directions
+the code did not send, which the next stage never saw.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ from ..compression import (
     PayloadError,
     Transform,
 )
-from ..compression.quant import dequantize_absmax, quantize_absmax
+from ..compression.quant import dequantize_absmax, quantize_absmax, unpack_int4
 from ..compression.transform import MAX_CODE_BITS, fit_transform
 
 REFERENCE_MODES = ("none", "forward", "both")
@@ -229,12 +230,12 @@ def peer_passes(stage: int, num_stages: int, mode: str) -> tuple[int, int]:
 MAP_META = REF_MAP_META  # payload meta: [sender, version] of the map the residual was coded against
 MAP_TENSORS = REF_MAP_TENSORS  # payload tensors: the map itself, (H, k) each, once per version and receiver
 CODE_TENSORS = REF_CODE_TENSORS  # payload tensors: the transform code fitted with it (mask.reference_code_bits)
-# mask.reference_fit_bits = 8: the (H, k) matrices of a fit (U, V, the basis) as int8, and these: a float32 step per
-# column
+# mask.reference_fit_bits = 8 or 4: the (H, k) matrices of a fit (U, V, the basis) as int8 (or 4-bit codes packed two
+# rows to a byte), and these: a float32 step per column
 STEP_TENSORS = REF_FIT_STEP_TENSORS
 MATRIX_TENSORS = (*MAP_TENSORS, CODE_TENSORS[0])  # the fit's (H, k) matrices, in STEP_TENSORS' order
 MAP_DTYPE = torch.bfloat16
-FIT_BITS = (16, 8)  # mask.reference_fit_bits: the fit's matrices in bfloat16, or 8 bits per value
+FIT_BITS = (16, 8, 4)  # mask.reference_fit_bits: the fit's matrices in bfloat16, or 8 or 4 bits per value
 MAX_MAP_SENDERS = 16  # senders whose maps a receiver keeps (the least recently used go first)
 
 
@@ -246,8 +247,8 @@ class MapFit:
     u: Tensor | None
     v: Tensor | None
     transform: Transform | None = None
-    # what travels when it is not the tensors above (8-bit matrices: their codes and steps; u, v and the basis are
-    # then the float32 values both ends decode from them)
+    # what travels when it is not the tensors above (8- or 4-bit matrices: their codes and steps; u, v and the basis
+    # are then the float32 values both ends decode from them)
     wire: dict[str, Tensor] | None = dataclasses.field(default=None, compare=False)
 
     def tensors(self) -> dict[str, Tensor]:
@@ -285,17 +286,28 @@ def _fit_from_state(state: dict) -> MapFit:
     return MapFit(state["u"], state["v"], transform, state["wire"])
 
 
-def _eight_bit(name: str, x: Tensor, wire: dict[str, Tensor]) -> Tensor:
-    """Put the (H, k) matrix ``x`` in ``wire`` as payload tensor ``name`` in 8 bits per value with a float32 step per
-    column (``mask.reference_fit_bits = 8``); returns the values both ends decode from it (float32)."""
-    q, step = quantize_absmax(x.T, 8)  # a row of x.T is a column of x
+def _quantized_columns(name: str, x: Tensor, wire: dict[str, Tensor], bits: int, unit: bool = False) -> Tensor:
+    """Put the (H, k) matrix ``x`` in ``wire`` as payload tensor ``name`` in ``bits`` (8 or 4) bits per value with a
+    float32 step per column (``mask.reference_fit_bits``): int8 (H, k), or 4-bit codes packed two rows to a byte,
+    uint8 (ceil(H / 2), k). Returns the values both ends decode from it (float32). ``unit`` (a code's basis, whose
+    columns are unit vectors) with 4 bits: each column's step is 1 / the norm of its codes, so the column decodes to
+    unit length (4-bit rounding alone moves the norm by a few per cent); 8-bit steps stay absmax / 127."""
+    q, step = quantize_absmax(x.T, bits)  # a row of x.T is a column of x
+    if unit and bits == 4:
+        norm = unpack_int4(q, x.shape[0]).float().norm(dim=-1)
+        step = torch.where(norm > 0, 1.0 / norm.clamp_min(1e-30), step)
     wire[name], wire[STEP_TENSORS[MATRIX_TENSORS.index(name)]] = q.T.contiguous(), step
-    return _decode_columns(wire[name], step)
+    return _decode_columns(wire[name], step, bits, x.shape[0])
 
 
-def _decode_columns(q: Tensor, step: Tensor) -> Tensor:
-    """float32 (n, k) from int8 codes (n, k) and a step per column (k,)."""
-    return dequantize_absmax(q.T, step, 8, q.shape[0]).T.contiguous()
+def _decode_columns(q: Tensor, step: Tensor, bits: int, rows: int) -> Tensor:
+    """float32 (rows, k) from the codes of :func:`_quantized_columns` and a step per column (k,)."""
+    return dequantize_absmax(q.T, step, bits, rows).T.contiguous()
+
+
+def _wire_rows(hidden: int, bits: int) -> int:
+    """Rows of an (H, k) fit matrix on the wire: H, or ceil(H / 2) with two 4-bit codes a byte."""
+    return (hidden + 1) // 2 if bits == 4 else hidden
 
 
 def _centred_rows(x: Tensor) -> Tensor:
@@ -323,10 +335,11 @@ class ResidualMap:
     (:mod:`meshnode.compression.transform`) for what the new map leaves of the residual, fitted from the
     per-token normalised second moment of ``r - centre(h_ref) U V^T`` over the same microbatches (computed
     exactly for the new map from weighted statistics: each token weighted by 1 / its residual's mean square).
-    ``rank`` may then be 0 (no map, only the code). ``fit_bits`` 8 sends the (H, k) matrices of a fit in 8 bits
-    per value (a float32 step per column) instead of bfloat16: about half the bytes. ``fisher``: the code minimises
-    the error weighted by the empirical Fisher of what it codes, from the gradients :meth:`observe_grad` is given
-    (the sender of an activation receives its gradient; :func:`meshnode.compression.transform.fit_transform`).
+    ``rank`` may then be 0 (no map, only the code). ``fit_bits`` 8 (4) sends the (H, k) matrices of a fit in 8 (4)
+    bits per value (a float32 step per column) instead of bfloat16: about half (a quarter of) the bytes. ``fisher``:
+    the code minimises the error weighted by the empirical Fisher of what it codes, from the gradients
+    :meth:`observe_grad` is given (the sender of an activation receives its gradient;
+    :func:`meshnode.compression.transform.fit_transform`).
     """
 
     def __init__(self, hidden: int, rank: int, ridge: float = 1e-2, sender: int | None = None, code_bits: int = 0,
@@ -477,13 +490,14 @@ class ResidualMap:
         if n < 2 * self.hidden:
             return False
         u = v = tf = None
-        wire: dict[str, Tensor] | None = {} if self.fit_bits == 8 else None  # what travels, with 8-bit fits
+        wire: dict[str, Tensor] | None = {} if self.fit_bits < 16 else None  # what travels, with 8- or 4-bit fits
         if self.rank:
             uv = self._fit_map(n, xtx, xtr)
             if uv is None:
                 return False
-            # rounded as they travel (bfloat16, or 8 bits per value): both ends use these
-            u, v = ((_eight_bit(MAP_TENSORS[0], uv[0], wire), _eight_bit(MAP_TENSORS[1], uv[1], wire))
+            # rounded as they travel (bfloat16, or 8 or 4 bits per value): both ends use these
+            u, v = ((_quantized_columns(MAP_TENSORS[0], uv[0], wire, self.fit_bits),
+                     _quantized_columns(MAP_TENSORS[1], uv[1], wire, self.fit_bits))
                     if wire is not None else (uv[0].to(MAP_DTYPE), uv[1].to(MAP_DTYPE)))
         if self.code_bits:
             s = wrr
@@ -496,7 +510,8 @@ class ResidualMap:
             except (ValueError, torch.linalg.LinAlgError):
                 return False
             if wire is not None:
-                tf = dataclasses.replace(tf, basis=_eight_bit(CODE_TENSORS[0], tf.basis, wire))
+                tf = dataclasses.replace(tf, basis=_quantized_columns(CODE_TENSORS[0], tf.basis, wire,
+                                                                             self.fit_bits, unit=True))
                 wire.update(zip(CODE_TENSORS[1:], (tf.scale, tf.bits)))
         self.version += 1
         self.history[self.version] = MapFit(u, v, tf, wire)
@@ -561,17 +576,18 @@ class MapStore:
 
     def _fit_from(self, parts: dict[str, Tensor]) -> MapFit:
         mats = (MAP_TENSORS if self.rank else ()) + ((CODE_TENSORS[0],) if self.code_bits else ())
-        steps = tuple(STEP_TENSORS[MATRIX_TENSORS.index(n)] for n in mats) if self.fit_bits == 8 else ()
+        steps = tuple(STEP_TENSORS[MATRIX_TENSORS.index(n)] for n in mats) if self.fit_bits < 16 else ()
         want = set(mats) | set(CODE_TENSORS if self.code_bits else ()) | set(steps)
         if set(parts) != want:
             raise PayloadError(f"payload residual map must carry {sorted(want)}, got {sorted(parts)}")
-        dtype = MAP_DTYPE if self.fit_bits == 16 else torch.int8
+        dtype = {16: MAP_DTYPE, 8: torch.int8, 4: torch.uint8}[self.fit_bits]
+        rows = _wire_rows(self.hidden, self.fit_bits)
         dec: dict[str, Tensor] = {}
         for name in mats:
             t = parts[name]
             cols = self.rank if name in MAP_TENSORS else t.shape[-1]
-            if t.dim() != 2 or tuple(t.shape) != (self.hidden, cols) or t.dtype != dtype:
-                raise PayloadError(f"payload fit tensor {name!r} must be {(self.hidden, cols)} {dtype}, got "
+            if t.dim() != 2 or tuple(t.shape) != (rows, cols) or t.dtype != dtype:
+                raise PayloadError(f"payload fit tensor {name!r} must be {(rows, cols)} {dtype}, got "
                                    f"{(tuple(t.shape), t.dtype)}")
             if self.fit_bits == 16:
                 if not bool(torch.isfinite(t).all()):
@@ -583,7 +599,7 @@ class MapStore:
             if tuple(step.shape) != (cols,) or step.dtype != torch.float32 or not (
                     bool(torch.isfinite(step).all()) and bool((step >= 0).all())):
                 raise PayloadError(f"payload fit tensor {step_name!r} must be ({cols},) float32, finite and >= 0")
-            dec[name] = _decode_columns(t, step)
+            dec[name] = _decode_columns(t, step, self.fit_bits, self.hidden)
         u, v = (dec[MAP_TENSORS[0]], dec[MAP_TENSORS[1]]) if self.rank else (None, None)
         tf = None
         if self.code_bits:
@@ -595,7 +611,7 @@ class MapStore:
             if tf.code_bits != self.code_bits:
                 raise PayloadError(f"payload transform code has {tf.code_bits} bits per token, this boundary uses "
                                    f"{self.code_bits}")
-        return MapFit(u, v, tf, dict(parts) if self.fit_bits == 8 else None)
+        return MapFit(u, v, tf, dict(parts) if self.fit_bits < 16 else None)
 
     def _store(self, key: tuple[int, int], fit: MapFit) -> None:
         self.maps[key] = fit
