@@ -298,3 +298,63 @@ def test_a_non_finite_gradient_skips_the_step_and_keeps_the_weights(tiny_cfg, ca
     rec = t.train_step()
     assert torch.isfinite(torch.tensor(rec["loss"])) and "skipped_stages" not in rec
     assert not all(torch.equal(weights[n], v) for n, v in w.module.state_dict().items())  # it trains on
+
+
+# reference coding with maps and transform codes both ways, fitted every 2 steps, the fits in 4 bits: what the swarm
+# runs, every kind of payload tensor
+WIRE_CODED = ("model.stages=3", "mask.codec=rotq", "mask.bits=1", "mask.reference=both", "mask.reference_map_rank=8",
+              "mask.reference_map_period=2", "mask.reference_code_bits=32", "mask.reference_grad_code_bits=16",
+              "mask.reference_fit_bits=4")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_a_stage_runs_what_the_wire_delivers_on_its_own_device(tiny_cfg, cache_dir, device):
+    """A swarm stage gets its inputs, labels and gradients from the wire, on the CPU: on ``train.device`` the stages
+    run them as they run the mesh's own payloads (same losses, same gradient sent back)."""
+    from meshnode.protocol.limits import Limits
+    from meshnode.protocol.messages import payload_from_wire, payload_to_wire
+    from meshnode.stage import MicrobatchId
+
+    cfg = tiny_cfg(*EXACT, *WIRE_CODED, f"train.device={device}")
+    mesh = MeshTrainer(cfg, cache_dir)
+    for _ in range(3):  # fits after steps 2: the payloads carry maps and codes
+        mesh.train_step()
+    workers = mesh.workers[0]
+    assert workers[0].map_out.version >= 1 and workers[1].gcode_out.version >= 1
+    assert workers[1].device.type == device
+    limits = Limits.from_config(cfg, cfg.model.tiny_hidden, cfg.model.tiny_vocab)
+    ids = mesh.sources[0].batch(100)
+
+    def wire(payload, kind):
+        if payload is None:
+            return None
+        back = payload_from_wire(payload_to_wire(payload), limits, kind)
+        assert all(t.device.type == "cpu" for t in back.tensors.values())
+        return back
+
+    def run(through_wire: bool):
+        move = (lambda p, kind: wire(p, kind)) if through_wire else (lambda p, kind: p)
+        mb = MicrobatchId(100, 0)
+        labels = ids.cpu() if through_wire else ids.to(workers[0].device)
+        x = labels
+        for w in workers:
+            x = w.forward(mb, x if w.is_first else move(x, "activation"), labels=labels)
+        loss, g, sent = x, None, []
+        for w in reversed(workers):
+            g = w.backward(mb, None if w.is_last else move(g, "grad"))
+            sent.append(g)
+        grads = [p.grad.detach().clone() for w in workers for p in w.module.parameters()]
+        for w in workers:
+            w.module.zero_grad(set_to_none=True)
+        return loss, [s.tensors for s in sent if s is not None], grads
+
+    direct, through = run(False), run(True)
+    assert through[0] == pytest.approx(direct[0], rel=1e-5)
+    for a, b in zip(through[1], direct[1]):
+        assert set(a) == set(b)
+        if device == "cpu":  # bit for bit (a GPU may round a code the other way: its decode ran elsewhere)
+            assert all(torch.equal(a[k], b[k]) for k in a)
+    for a, b in zip(through[2], direct[2]):
+        assert a.device.type == device
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -321,6 +321,12 @@ class StageWorker:
         return "anchor" if self.replica < 0 else axis
 
     @property
+    def device(self) -> torch.device:
+        """Where this stage's module lives (its first parameter's device): decoded inputs and gradients, and the
+        token ids, are moved there."""
+        return next(self.module.parameters()).device
+
+    @property
     def bf16(self) -> bool:
         """Whether this worker computes under bf16 autocast: ``train.bf16`` for its device (``"auto"``: where bf16 is
         not slower than float32, measured once per process; :mod:`meshnode.model.precision`)."""
@@ -347,11 +353,12 @@ class StageWorker:
         codec = self.codec_for(mb.step)
         ref = self._reference_for(codec)
         ctx_in = None
-        ids = labels
+        device = self.device  # what arrives from the wire is on the CPU; this stage may be on a GPU
+        ids = labels = None if labels is None else labels.to(device)
         if self.is_first:
             if not isinstance(inputs, Tensor) or inputs.dim() != 2:
                 raise StageError("stage 0 expects token ids (B, T)")
-            x = ids = inputs
+            x = ids = inputs.to(device)
             tokens = x.numel()
         else:
             if not isinstance(inputs, EncodedPayload):
@@ -360,7 +367,7 @@ class StageWorker:
             ctx_in = BoundaryContext(key=self._mask_key(mb, self.index - 1),
                                      transform=fit.transform if fit is not None else None)
             try:
-                x = codec.decode(inputs, ctx_in)  # (B, T, H)
+                x = codec.decode(inputs, ctx_in).to(device)  # (B, T, H)
             except PayloadError as exc:  # another codec's or exchange's payload, a malformed key: refused
                 raise StageError(f"stage {self.index}: {exc}") from None
             if ref is not None:
@@ -430,7 +437,7 @@ class StageWorker:
             # the gradient's own transform (or none), never the forward's that the same context carried
             ctx = dataclasses.replace(state.ctx_out, transform=gfit.transform if gfit is not None else None)
             try:
-                g = codec.decode_grad(grad, ctx)  # (B, T, H)
+                g = codec.decode_grad(grad, ctx).to(state.outputs.device)  # (B, T, H)
             except PayloadError as exc:
                 raise StageError(f"stage {self.index}: {exc}") from None
             if g.shape != state.outputs.shape:
