@@ -15,14 +15,19 @@ from meshnode.compression import (
     PayloadError,
     QuantCodec,
     RotQuantCodec,
+    fit_transform,
     make_codec,
+    normalised_second_moment,
     rotation,
     rotq_decode,
     rotq_encode,
     simulate_transfer,
 )
+from meshnode.compression.codec import LOG8_ZERO, log8_decode, log8_scales
 from meshnode.compression.rotquant import pack_codes, packed_width, unpack_codes
 from meshnode.config import ConfigError, MaskConfig, load_config
+from meshnode.protocol.limits import Limits
+from meshnode.protocol.messages import WireError, payload_from_wire, payload_to_wire
 
 # relative mean squared error of the MSE-optimal uniform quantiser on a unit Gaussian (Max 1960)
 GAUSS_MSE = {1: 0.3634, 2: 0.1188, 4: 0.01154}
@@ -262,3 +267,75 @@ def test_the_gradient_may_go_back_at_other_bits():
         RotQuantCodec(2).decode_grad(codec.encode_grad(g))
     with pytest.raises(ValueError, match="bits"):
         RotQuantCodec(2, grad_bits=3)
+
+
+def test_log8_token_scales_round_trip_within_their_step():
+    """``log8_scales``: 1/16 octave below the payload's largest (at most 2.2 % off), zero kept zero, a scale below the
+    range (1.7e-5 of the largest) coded as the range's end, never as zero or larger than the largest."""
+    r = torch.logspace(-4, 1, 400).reshape(20, 20)
+    r[0, 0], r[0, 1] = 0.0, 1e-12
+    codes, top = log8_scales(r)
+    assert codes.dtype == torch.uint8 and top.shape == (1,) and float(top) == float(r.max())
+    d = log8_decode(codes, top)
+    inside = r > float(top) * 2 ** (-254 / 16)
+    rel = (d[inside] / r[inside]).log2().abs()
+    assert float(rel.max()) <= 1 / 32 + 1e-6 and float(rel.max()) > 1 / 64  # the step is what it says, and used
+    assert d[0, 0] == 0 and codes[0, 0] == LOG8_ZERO
+    assert codes[0, 1] == LOG8_ZERO - 1 and float(d[0, 1]) == pytest.approx(float(top) * 2 ** (-254 / 16))
+    assert float(d.max()) == float(top)
+    zero = log8_scales(torch.zeros(3, 5))
+    assert bool((zero[0] == LOG8_ZERO).all()) and float(log8_decode(*zero).abs().max()) == 0
+
+
+@pytest.mark.parametrize("transform", [False, True])
+def test_log8_token_scales_save_bytes_and_code_as_well(transform):
+    """``mask.token_scale = log8``: one byte a token for its scale (and a float32 a payload) instead of 4 (rotq) or
+    2 (a transform code), both ways; the receiver decodes what the sender coded, and the error is that of float
+    scales within 1 % (the sender codes with the rounded scale, so the rounding costs no scale error)."""
+    x = _gauss(b=2, t=64, h=96) * torch.rand(2, 64, 1, generator=torch.Generator().manual_seed(3)) * 5
+    tf = fit_transform(normalised_second_moment(x.reshape(-1, 96) - x.reshape(-1, 96).mean(0)), 48) if transform \
+        else None
+    out = {}
+    for scale in ("float", "log8"):
+        codec = make_codec(MaskConfig(codec="rotq", bits=1, token_scale=scale))
+        ctx = BoundaryContext(transform=tf)
+        p, g = codec.encode(x, ctx), codec.encode_grad(x, ctx)
+        y, gy = codec.decode(p, ctx), codec.decode_grad(g, ctx)
+        if not transform:  # the byte count the cost models use is what travels
+            assert p.nbytes() == codec.forward_nbytes(2, 64, 96) and g.nbytes() == codec.backward_nbytes(2, 64, 96)
+        centred = x - x.mean(dim=(0, 1))
+        out[scale] = (p.nbytes(), g.nbytes(), float((y - x).square().sum() / centred.square().sum()),
+                      _rel_mse(gy, x))
+        if scale == "log8":
+            assert p.tensors["rms"].dtype == torch.uint8 and p.meta["token_scale"] == "log8"
+            with pytest.raises(PayloadError, match="tensors|token_scale|quantised"):  # a float peer refuses it
+                RotQuantCodec(1).decode(p, ctx)
+    per_token = 2 if transform else 4
+    for i in (0, 1):
+        assert out["float"][i] - out["log8"][i] == 2 * 64 * (per_token - 1) - 4
+    for i in (2, 3):
+        assert out["log8"][i] < 1.01 * out["float"][i], out
+
+
+def test_malformed_log8_scales_are_refused():
+    codec = RotQuantCodec(2, token_scale="log8")
+    p = codec.encode(_gauss(b=1, t=4, h=64))
+    for bad, match in ((dict(rms_top=torch.tensor([float("nan")])), "non-finite"),
+                       (dict(rms_top=torch.tensor([-1.0])), "negative"),
+                       (dict(rms_top=torch.ones(2)), "rms_top"),
+                       (dict(rms=p.tensors["rms"].float()), "rms")):
+        with pytest.raises(PayloadError, match=match):
+            codec.decode(_replace(p, **bad))
+    with pytest.raises(ValueError, match="token_scale"):
+        RotQuantCodec(2, token_scale="log4")
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
+    limits = Limits.from_config(load_config(tiny, ["mask.codec=rotq", "mask.token_scale=log8"]), 64, 100)
+    back = payload_from_wire(payload_to_wire(p), limits, "activation")  # crosses the wire whole
+    assert set(back.tensors) == set(p.tensors) and all(torch.equal(back.tensors[k], t) for k, t in p.tensors.items())
+    assert torch.equal(codec.decode(back), codec.decode(p))
+    with pytest.raises(WireError, match="rms_top"):
+        payload_from_wire(payload_to_wire(_replace(p, rms_top=torch.ones(2))), limits, "activation")
+    with pytest.raises(ConfigError, match="token_scale"):
+        load_config(tiny, ["mask.ratio=0.9", "mask.token_scale=log8"])
+    with pytest.raises(ConfigError, match="token_scale"):
+        load_config(tiny, ["mask.codec=rotq", "mask.token_scale=log16"])

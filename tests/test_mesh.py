@@ -300,11 +300,11 @@ def test_a_non_finite_gradient_skips_the_step_and_keeps_the_weights(tiny_cfg, ca
     assert not all(torch.equal(weights[n], v) for n, v in w.module.state_dict().items())  # it trains on
 
 
-# reference coding with maps and transform codes both ways, fitted every 2 steps, the fits in 4 bits: what the swarm
-# runs, every kind of payload tensor
+# reference coding with maps and transform codes both ways, fitted every 2 steps, the fits in 4 bits, one-byte token
+# scales: what the swarm runs, every kind of payload tensor
 WIRE_CODED = ("model.stages=3", "mask.codec=rotq", "mask.bits=1", "mask.reference=both", "mask.reference_map_rank=8",
               "mask.reference_map_period=2", "mask.reference_code_bits=32", "mask.reference_grad_code_bits=16",
-              "mask.reference_fit_bits=4")
+              "mask.reference_fit_bits=4", "mask.token_scale=log8")
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -322,6 +322,7 @@ def test_a_stage_runs_what_the_wire_delivers_on_its_own_device(tiny_cfg, cache_d
         mesh.train_step()
     workers = mesh.workers[0]
     assert workers[0].map_out.version >= 1 and workers[1].gcode_out.version >= 1
+    assert workers[0].codec.token_scale == "log8"
     assert workers[1].device.type == device
     limits = Limits.from_config(cfg, cfg.model.tiny_hidden, cfg.model.tiny_vocab)
     ids = mesh.sources[0].batch(100)

@@ -119,6 +119,10 @@ class MaskConfig:
     # rotq: per-channel weights of the gradient going back: "none"; "std" = 1 / the channel's rms over the
     # microbatch (every channel gets the same relative error; H values more per microbatch)
     grad_weight: str = "none"
+    # rotq: each token's scale on the wire: "float" (float32; bfloat16 in a transform code) or "log8" (one byte, in
+    # steps of 1/16 octave below the payload's largest: at most 2.2 % off, and the sender codes with the scale the
+    # receiver decodes); log8 saves 1 (3) of the 2 (4) bytes a token costs beside its codes
+    token_scale: str = "float"
     # code each boundary against what the frozen pretrained model gives for the same tokens (meshnode.stage.reference):
     # "none"; "forward" = the activation's change from it; "both" = the gradient's change too (more compute)
     reference: str = "none"
@@ -275,6 +279,7 @@ _CHOICES = {
     "mask.reference_code_metric": ("plain", "fisher"),
     "mask.reference_code_grad": ("straight", "project"),
     "mask.grad_weight": ("none", "std"),
+    "mask.token_scale": ("float", "log8"),
     "mask.reference": ("none", "forward", "both"),
     "mask.wire_dtype": ("bfloat16", "float16", "float32"),
     "spectral.mode": ("filter", "clean_every", "delayed_ef", "bias_correction"),
@@ -422,6 +427,8 @@ def _cross_check(cfg: RunConfig) -> None:
     if cfg.mask.reference_map_rank and cfg.mask.reference == "none":
         raise ConfigError("mask.reference_map_rank predicts the reference residual: it needs mask.reference = "
                           "forward | both")
+    if cfg.mask.token_scale != "float" and cfg.mask.codec != "rotq":
+        raise ConfigError("mask.token_scale sets how rotq sends each token's scale: it needs mask.codec = rotq")
     if cfg.mask.reference_code_bits and (cfg.mask.reference == "none" or cfg.mask.codec != "rotq"):
         raise ConfigError("mask.reference_code_bits codes the reference residual by a fitted transform: it needs "
                           "mask.reference = forward | both and mask.codec = rotq")

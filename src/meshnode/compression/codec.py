@@ -68,6 +68,30 @@ ROTQ_WEIGHT_RANGE = 64.0  # channel weights are normalised to rms 1 and clipped 
 FILL_MODES = ("zero", "mean")
 ACTIVATION, GRAD = "activation", "grad"
 TRANSFORM_META = "code_bits"  # rotq payload meta: bits per token of the fitted transform code it is in
+# rotq's per-token scale (``mask.token_scale``): "float" = float32 (a transform code's: bfloat16); "log8" = one byte a
+# token, 2^(-c / 16) times the payload's largest scale (one float32, tensor "rms_top"): 16 steps an octave (at most
+# 2.2 % off), 254 steps (down to 1.7e-5 of the largest; smaller ones are coded as that), c = 255 for exactly zero.
+# The sender codes each token with the scale as the receiver will decode it, so the rounding costs no scale error.
+TOKEN_SCALES = ("float", "log8")
+LOG8_STEPS = 16  # codes per octave
+LOG8_ZERO = 255
+
+
+def log8_scales(rms: Tensor) -> tuple[Tensor, Tensor]:
+    """Token scales ``rms`` (...) >= 0 as ``(codes, top)``: codes (...) uint8, top (1,) float32 (the largest)."""
+    r = rms.detach().to(torch.float32)
+    top = r.max().reshape(1) if r.numel() else torch.zeros(1, device=r.device)
+    safe = torch.where(r > 0, r, torch.ones_like(r))
+    c = torch.round(-LOG8_STEPS * torch.log2(safe / top.clamp_min(torch.finfo(torch.float32).tiny)))
+    c = torch.where(r > 0, c.clamp(0, LOG8_ZERO - 1), torch.full_like(c, LOG8_ZERO))
+    return c.to(torch.uint8), top
+
+
+def log8_decode(codes: Tensor, top: Tensor) -> Tensor:
+    """Inverse of :func:`log8_scales` (up to its rounding): float32, ``codes``' shape."""
+    c = codes.to(torch.float32)
+    r = top.to(torch.float32) * torch.exp2(-c / LOG8_STEPS)
+    return torch.where(codes == LOG8_ZERO, torch.zeros_like(r), r)
 
 
 class PayloadError(ValueError):
@@ -636,7 +660,8 @@ class RotQuantCodec(_SameBothWays):
     name = "rotq"
 
     def __init__(self, bits: int = 2, center: bool = True, wire_dtype: str = "bfloat16", seed: int = 0,
-                 weight: str = "none", grad_bits: int = 0, grad_weight: str = "none") -> None:
+                 weight: str = "none", grad_bits: int = 0, grad_weight: str = "none",
+                 token_scale: str = "float") -> None:
         super().__init__(wire_dtype)  # the dtype of the channel means; codes are uint8, the rms float32
         for b in (bits, grad_bits or bits):
             if b not in ROTQ_BITS:
@@ -647,6 +672,9 @@ class RotQuantCodec(_SameBothWays):
         if grad_weight not in ROTQ_GRAD_WEIGHTS:
             raise ValueError(f"rotq grad_weight must be one of {', '.join(ROTQ_GRAD_WEIGHTS)}, got {grad_weight!r}")
         self.grad_weight = grad_weight
+        if token_scale not in TOKEN_SCALES:
+            raise ValueError(f"rotq token_scale must be one of {', '.join(TOKEN_SCALES)}, got {token_scale!r}")
+        self.token_scale = token_scale
         self.bits = int(bits)
         self.center = bool(center)
         self.seed = int(seed)
@@ -659,6 +687,8 @@ class RotQuantCodec(_SameBothWays):
             extra += f", gradient {self.grad_bits} bit"
         if self.grad_weight != "none":
             extra += f", gradient weighted by {self.grad_weight}"
+        if self.token_scale != "float":
+            extra += f", {self.token_scale} token scales"
         return f"rotq({self.bits} bit{extra})"
 
     def _meta(self) -> dict[str, Any]:
@@ -666,7 +696,36 @@ class RotQuantCodec(_SameBothWays):
                 "grad_bits": self.grad_bits}
         if self.grad_weight != "none":  # absent when unweighted: payloads stay those of peers without the key
             meta["grad_weight"] = self.grad_weight
+        if self.token_scale != "float":  # the same
+            meta["token_scale"] = self.token_scale
         return meta
+
+    def _scales(self, z: Tensor, tensors: dict[str, Tensor]) -> Tensor | None:
+        """With ``log8`` token scales: put the scales of ``z``'s tokens (..., H) in ``tensors`` as they travel and
+        return them as the receiver decodes them (the encoder codes with these); None with float scales."""
+        if self.token_scale == "float":
+            return None
+        codes, top = log8_scales(z.detach().float().square().mean(-1).sqrt())
+        tensors.update(rms=codes, rms_top=top)
+        return log8_decode(codes, top)
+
+    def _scale_specs(self, b: int, t: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        if self.token_scale == "float":
+            return {"rms": ((b, t), dtype)}
+        return {"rms": ((b, t), torch.uint8), "rms_top": ((1,), torch.float32)}
+
+    def _decoded_scales(self, p: dict[str, Tensor]) -> Tensor:
+        """The token scales of a validated payload: float32 (B, T)."""
+        if self.token_scale == "float":
+            _check_scale(p["rms"])
+            return p["rms"].float()
+        if float(p["rms_top"]) < 0:
+            raise PayloadError("payload tensor 'rms_top' is negative")
+        return log8_decode(p["rms"], p["rms_top"])
+
+    def _scale_bytes(self, float_bytes: int) -> int:
+        """Wire bytes of a token's scale (the payload's one top scale aside)."""
+        return float_bytes if self.token_scale == "float" else 1
 
     def _bits(self, kind: str) -> int:
         return self.grad_bits if kind == GRAD else self.bits
@@ -703,8 +762,11 @@ class RotQuantCodec(_SameBothWays):
         if self.center and kind == ACTIVATION:
             tensors["mean"] = z.mean(dim=(0, 1)).to(self.wire_dtype)
             z = z - tensors["mean"].float()
-        codes, rms = tc_encode(z, tf)
-        tensors.update(codes=codes, rms=rms.to(torch.bfloat16))  # 2 bytes a token: a tenth of a half-bit code
+        scales = self._scales(z, tensors)
+        codes, rms = tc_encode(z, tf, scales)
+        tensors["codes"] = codes
+        if scales is None:
+            tensors["rms"] = rms.to(torch.bfloat16)  # 2 bytes a token: a tenth of a half-bit code
         return self._payload(kind, x, tensors, {**self._meta(), TRANSFORM_META: tf.code_bits})
 
     def _decode_transform(self, payload: EncodedPayload, kind: str, tf: Transform | None) -> Tensor:
@@ -718,14 +780,13 @@ class RotQuantCodec(_SameBothWays):
         if code_bits != tf.code_bits or tf.basis.shape[0] != h:
             raise PayloadError(f"payload is a {code_bits}-bit transform code of {h} channels; the transform it names "
                                f"has {tf.code_bits} bits and {tf.basis.shape[0]} channels")
-        specs = {"codes": ((b, t, tf.code_bytes), torch.uint8), "rms": ((b, t), torch.bfloat16)}
+        specs = {"codes": ((b, t, tf.code_bytes), torch.uint8), **self._scale_specs(b, t, torch.bfloat16)}
         centred = self.center and kind == ACTIVATION
         if centred:
             specs["mean"] = ((h,), self.wire_dtype)
         self._tensors(payload, specs)
         p = payload.tensors
-        _check_scale(p["rms"])
-        y = tc_decode(p["codes"], p["rms"].float(), tf)
+        y = tc_decode(p["codes"], self._decoded_scales(p), tf)
         if centred:
             y = y + p["mean"].float()
         return y.to(_DENSE_DTYPES[payload.dtype])
@@ -770,8 +831,11 @@ class RotQuantCodec(_SameBothWays):
             w = self.channel_weights(z, gain, kind)
             tensors["weight"] = w
             z = z * w.float()
-        codes, rms = rotq_encode(z, self._bits(kind), self.seed)
-        tensors.update(codes=codes, rms=rms)
+        scales = self._scales(z, tensors)  # the rotation keeps each token's rms
+        codes, rms = rotq_encode(z, self._bits(kind), self.seed, scales)
+        tensors["codes"] = codes
+        if scales is None:
+            tensors["rms"] = rms
         return self._payload(kind, x, tensors, self._meta())
 
     def _decode(self, payload: EncodedPayload, kind: str) -> Tensor:
@@ -779,7 +843,7 @@ class RotQuantCodec(_SameBothWays):
         if payload.meta != self._meta():
             raise PayloadError(f"payload quantised with {payload.meta}, this boundary uses {self._meta()}")
         bits = self._bits(kind)
-        specs = {"codes": ((b, t, packed_width(h, bits)), torch.uint8), "rms": ((b, t), torch.float32)}
+        specs = {"codes": ((b, t, packed_width(h, bits)), torch.uint8), **self._scale_specs(b, t, torch.float32)}
         centred = self.center and kind == ACTIVATION
         weighted = self._weighted(kind)
         if centred:
@@ -788,12 +852,12 @@ class RotQuantCodec(_SameBothWays):
             specs["weight"] = ((h,), self.wire_dtype)
         self._tensors(payload, specs)
         p = payload.tensors
-        _check_scale(p["rms"])
+        rms = self._decoded_scales(p)
         if weighted:
             w = p["weight"].float()
             if bool(((w < 1.0 / ROTQ_WEIGHT_RANGE * 0.99) | (w > ROTQ_WEIGHT_RANGE * 1.01)).any()):
                 raise PayloadError(f"payload tensor 'weight' outside [1/{ROTQ_WEIGHT_RANGE:g}, {ROTQ_WEIGHT_RANGE:g}]")
-        y = rotq_decode(p["codes"], p["rms"], bits, h, self.seed)
+        y = rotq_decode(p["codes"], rms, bits, h, self.seed)
         if weighted:
             y = y / w
         if centred:
@@ -802,11 +866,16 @@ class RotQuantCodec(_SameBothWays):
 
     def forward_nbytes(self, batch: int, seq: int, hidden: int) -> int:
         per_channel = int(self.center) + int(self.weight != "none")  # means, weights: H values each
-        return rotq_nbytes(batch * seq, hidden, self.bits) + per_channel * hidden * self.wire_dtype.itemsize
+        return (rotq_nbytes(batch * seq, hidden, self.bits, self._scale_bytes(4)) + self._top_bytes()
+                + per_channel * hidden * self.wire_dtype.itemsize)
 
     def backward_nbytes(self, batch: int, seq: int, hidden: int) -> int:
         per_channel = int(self.grad_weight != "none")  # the gradient's weights: H values
-        return rotq_nbytes(batch * seq, hidden, self.grad_bits) + per_channel * hidden * self.wire_dtype.itemsize
+        return (rotq_nbytes(batch * seq, hidden, self.grad_bits, self._scale_bytes(4)) + self._top_bytes()
+                + per_channel * hidden * self.wire_dtype.itemsize)
+
+    def _top_bytes(self) -> int:  # log8: the payload's largest token scale, one float32
+        return 0 if self.token_scale == "float" else 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -832,7 +901,8 @@ def make_codec(mask_cfg: MaskConfig, *, step: int | None = None) -> BoundaryCode
         return QuantCodec(int(kind[3:]))
     if kind == "rotq":
         return RotQuantCodec(mask_cfg.bits, mask_cfg.rotq_center, mask_cfg.wire_dtype, weight=mask_cfg.rotq_weight,
-                             grad_bits=mask_cfg.grad_bits, grad_weight=mask_cfg.grad_weight)
+                             grad_bits=mask_cfg.grad_bits, grad_weight=mask_cfg.grad_weight,
+                             token_scale=mask_cfg.token_scale)
     raise ValueError(f"unknown boundary codec {kind!r} (mask | topk | int8 | int4 | rotq | dense)")
 
 
@@ -878,7 +948,7 @@ def simulate_transfer(
 
 __all__ = [
     "RESCALE_MODES", "ROTQ_GRAD_WEIGHTS", "ROTQ_WEIGHTS", "WIRE_DTYPES", "BoundaryCodec", "BoundaryContext",
-    "DenseCodec", "EncodedPayload", "MaskCodec",
+    "DenseCodec", "EncodedPayload", "MaskCodec", "TOKEN_SCALES", "log8_decode", "log8_scales",
     "PayloadError", "QuantCodec", "TopKCodec", "gather_kept", "make_codec", "masked_boundary", "rms_scale",
     "scatter_kept", "simulate_transfer",
 ]

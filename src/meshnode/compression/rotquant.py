@@ -106,12 +106,13 @@ def unpack_codes(packed: Tensor, bits: int, hidden: int) -> Tensor:  # inverse o
     return q.flatten(-2)[..., :hidden].to(torch.uint8)
 
 
-def rotq_encode(x: Tensor, bits: int, seed: int = 0) -> tuple[Tensor, Tensor]:
-    """Quantise ``x`` (..., H): returns ``(codes, rms)``, codes (..., packed_width) uint8, rms (...) float32."""
+def rotq_encode(x: Tensor, bits: int, seed: int = 0, rms: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Quantise ``x`` (..., H): returns ``(codes, rms)``, codes (..., packed_width) uint8, rms (...) float32.
+    ``rms`` (...): the token scales to quantise with (as the receiver will decode them), instead of the exact ones."""
     _check_bits(bits)
     h = x.shape[-1]
     y = x.detach().to(torch.float32) @ rotation(h, seed, x.device).T
-    rms = y.square().mean(-1).sqrt()
+    rms = y.square().mean(-1).sqrt() if rms is None else rms.to(torch.float32)
     step = GAUSS_STEP[bits] * torch.where(rms > 0, rms, torch.ones_like(rms))
     half = 1 << (bits - 1)
     q = torch.floor(y / step[..., None]).clamp_(-half, half - 1) + half  # [0, 2**bits)
@@ -128,9 +129,9 @@ def rotq_decode(codes: Tensor, rms: Tensor, bits: int, hidden: int, seed: int = 
     return (y @ rotation(hidden, seed, codes.device)).to(dtype)
 
 
-def rotq_nbytes(rows: int, hidden: int, bits: int) -> int:
-    """Wire bytes of ``rows`` tokens: packed codes plus one float32 rms each."""
-    return rows * (packed_width(hidden, bits) + 4)
+def rotq_nbytes(rows: int, hidden: int, bits: int, scale_bytes: int = 4) -> int:
+    """Wire bytes of ``rows`` tokens: packed codes plus one rms each (float32, or ``scale_bytes``)."""
+    return rows * (packed_width(hidden, bits) + scale_bytes)
 
 
 __all__ = [

@@ -179,11 +179,12 @@ def _bit_layout(bits: Tensor) -> tuple[Tensor, Tensor]:  # which direction and w
     return cols, pos
 
 
-def tc_encode(x: Tensor, tf: Transform) -> tuple[Tensor, Tensor]:
-    """Code ``x`` (..., H): returns ``(codes, rms)``: codes (..., ceil(R / 8)) uint8, rms (...) float32."""
+def tc_encode(x: Tensor, tf: Transform, rms: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Code ``x`` (..., H): returns ``(codes, rms)``: codes (..., ceil(R / 8)) uint8, rms (...) float32. ``rms``
+    (...): the token scales to code with (as the receiver will decode them), instead of the exact ones."""
     h = x.shape[-1]
     rows = x.detach().float().reshape(-1, h)
-    rms = rows.square().mean(-1).sqrt()
+    rms = rows.square().mean(-1).sqrt() if rms is None else rms.detach().float().reshape(-1)
     unit = rows / torch.where(rms > 0, rms, torch.ones_like(rms))[:, None]
     c = unit @ tf.coder.float().to(x.device)  # (N, m)
     b = tf.bits.to(device=x.device, dtype=torch.int64)

@@ -186,6 +186,9 @@ def payload_from_wire(body: Any, limits: Limits, kind: str) -> EncodedPayload:
             # (ceil(H / 2), k) with 4-bit codes packed two rows to a byte
             if tt.dim() != 2 or tt.shape[0] not in (h, (h + 1) // 2) or tt.shape[1] > h:
                 raise WireError(f"tensor {name!r} of shape {list(tt.shape)} is not a residual map ({h}, k <= {h})")
+        elif name == "rms_top":  # rotq's log8 token scales: the payload's largest, one value
+            if tt.dim() != 1 or tt.shape[0] != 1:
+                raise WireError(f"tensor {name!r} of shape {list(tt.shape)} is not one value")
         elif name in REF_CODE_TENSORS or name in REF_FIT_STEP_TENSORS:  # (m,), m <= H: the transform's scales and
             # bits, an 8-bit matrix's steps
             if tt.dim() != 1 or tt.shape[0] > h:
