@@ -263,10 +263,11 @@ def test_a_quantized_fit_is_fewer_bytes_codes_nearly_as_well_and_both_ends_decod
     assert e16 < 0.5 and eq < (1.02 if bits == 8 else 1.15) * e16
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("bad", ["negative step", "nan step", "step shape", "no step", "bf16 matrix",
-                                 "to a bf16 store"])
-def test_a_malformed_eight_bit_fit_is_refused(bad):
-    m8 = _fitted_map(torch.Generator().manual_seed(6), 8)
+                                 "to a bf16 store", "unpacked rows"])
+def test_a_malformed_quantized_fit_is_refused(bad, bits):
+    m8 = _fitted_map(torch.Generator().manual_seed(6), bits)
     sent = m8.attach(RotQuantCodec(1).encode(torch.randn(2, 8, H), BoundaryContext(transform=m8.transform)))
     t = dict(sent.tensors)
     step = STEP_TENSORS[0]
@@ -281,7 +282,10 @@ def test_a_malformed_eight_bit_fit_is_refused(bad):
         del t[STEP_TENSORS[2]]
     elif bad == "bf16 matrix":
         t[CODE_TENSORS[0]] = t[CODE_TENSORS[0]].to(torch.bfloat16)
-    store = MapStore(H, 4, code_bits=24, fit_bits=16 if bad == "to a bf16 store" else 8)
+    elif bad == "unpacked rows":  # H rows of the store's dtype where a 4-bit fit has H / 2 (and the reverse)
+        rows = H if bits == 4 else H // 2
+        t[MAP_TENSORS[0]] = torch.zeros(rows, 4, dtype=t[MAP_TENSORS[0]].dtype)
+    store = MapStore(H, 4, code_bits=24, fit_bits=16 if bad == "to a bf16 store" else bits)
     with pytest.raises(PayloadError):
         store.take(dataclasses.replace(sent, tensors=t))
     assert not store.maps

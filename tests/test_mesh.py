@@ -318,7 +318,7 @@ def test_a_stage_runs_what_the_wire_delivers_on_its_own_device(tiny_cfg, cache_d
 
     cfg = tiny_cfg(*EXACT, *WIRE_CODED, f"train.device={device}")
     mesh = MeshTrainer(cfg, cache_dir)
-    for _ in range(3):  # fits after steps 2: the payloads carry maps and codes
+    for _ in range(3):  # the first fits come after step 2: the payloads carry maps and codes
         mesh.train_step()
     workers = mesh.workers[0]
     assert workers[0].map_out.version >= 1 and workers[1].gcode_out.version >= 1
@@ -337,10 +337,16 @@ def test_a_stage_runs_what_the_wire_delivers_on_its_own_device(tiny_cfg, cache_d
     def run(through_wire: bool):
         move = (lambda p, kind: wire(p, kind)) if through_wire else (lambda p, kind: p)
         mb = MicrobatchId(100, 0)
+        for w in workers:  # every payload carries its fit again: 4-bit matrices and their steps cross the wire too
+            for fits in (w.map_out, w.gcode_out):
+                if fits is not None:
+                    fits.shipped = False
         labels = ids.cpu() if through_wire else ids.to(workers[0].device)
-        x = labels
+        x, forwards = labels, []
         for w in workers:
             x = w.forward(mb, x if w.is_first else move(x, "activation"), labels=labels)
+            if not w.is_last:
+                forwards.append(x.tensors)
         loss, g, sent = x, None, []
         for w in reversed(workers):
             g = w.backward(mb, None if w.is_last else move(g, "grad"))
@@ -348,9 +354,12 @@ def test_a_stage_runs_what_the_wire_delivers_on_its_own_device(tiny_cfg, cache_d
         grads = [p.grad.detach().clone() for w in workers for p in w.module.parameters()]
         for w in workers:
             w.module.zero_grad(set_to_none=True)
-        return loss, [s.tensors for s in sent if s is not None], grads
+        return loss, [s.tensors for s in sent if s is not None], grads, forwards
 
     direct, through = run(False), run(True)
+    # the activation sent on carries the most tensors a payload may: codes, scales, the largest scale, channel means,
+    # the map's two matrices, the code's basis, scales and bits, and the three matrices' steps
+    assert max(len(t) for t in through[3]) == 12
     assert through[0] == pytest.approx(direct[0], rel=1e-5)
     for a, b in zip(through[1], direct[1]):
         assert set(a) == set(b)

@@ -44,8 +44,9 @@ TENSOR_DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32, "uint16": torch.uint16,
 }
 LABEL_DTYPES = ("uint16", "int32")
-# a payload's own (at most 4), a residual map's two and its transform code's three, and with 8-bit fits (int8
-# matrices) the three matrices' steps per column
+# a payload's own (at most 5: rotq's codes, scales, the largest scale with one-byte scales, channel means and weights;
+# a transform-coded one never carries weights, so at most 4), a residual map's two and its transform code's three,
+# and with 8- or 4-bit fits the three matrices' steps per column
 MAX_TENSORS = 12
 
 

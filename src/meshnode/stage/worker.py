@@ -367,7 +367,7 @@ class StageWorker:
             ctx_in = BoundaryContext(key=self._mask_key(mb, self.index - 1),
                                      transform=fit.transform if fit is not None else None)
             try:
-                x = codec.decode(inputs, ctx_in).to(device)  # (B, T, H)
+                x = codec.decode(_payload_on(inputs, device), ctx_in)  # (B, T, H), decoded where the sender did
             except PayloadError as exc:  # another codec's or exchange's payload, a malformed key: refused
                 raise StageError(f"stage {self.index}: {exc}") from None
             if ref is not None:
@@ -437,7 +437,7 @@ class StageWorker:
             # the gradient's own transform (or none), never the forward's that the same context carried
             ctx = dataclasses.replace(state.ctx_out, transform=gfit.transform if gfit is not None else None)
             try:
-                g = codec.decode_grad(grad, ctx).to(state.outputs.device)  # (B, T, H)
+                g = codec.decode_grad(_payload_on(grad, state.outputs.device), ctx)  # (B, T, H)
             except PayloadError as exc:
                 raise StageError(f"stage {self.index}: {exc}") from None
             if g.shape != state.outputs.shape:
@@ -567,6 +567,14 @@ class StageWorker:
 
     def _dtype(self) -> torch.dtype:
         return next(self.module.parameters()).dtype
+
+
+def _payload_on(payload: EncodedPayload, device: torch.device) -> EncodedPayload:
+    """``payload`` with its tensors on ``device`` (what arrives from the wire is on the CPU; a stage on a GPU decodes
+    there, as its peer encoded and decoded its own copy there)."""
+    if all(t.device == device for t in payload.tensors.values()):
+        return payload
+    return dataclasses.replace(payload, tensors={k: t.to(device) for k, t in payload.tensors.items()})
 
 
 def _on_cuda(module: torch.nn.Module) -> bool:
