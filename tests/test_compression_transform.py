@@ -24,7 +24,7 @@ from meshnode.mesh import MeshTrainer
 from meshnode.protocol.limits import Limits
 from meshnode.protocol.messages import payload_from_wire, payload_to_wire
 from meshnode.stage import MapStore, MicrobatchId, ResidualMap
-from meshnode.stage.reference import CODE_TENSORS, MAP_META, MAP_TENSORS, STEP_TENSORS
+from meshnode.stage.reference import CODE_TENSORS, MAP_META, MAP_TENSORS, MATRIX_TENSORS, STEP_TENSORS
 
 H = 32
 
@@ -512,3 +512,24 @@ def test_config_refuses_a_projected_gradient_without_a_code(tiny_cfg):
     with pytest.raises(ConfigError, match="reference_code_grad"):
         tiny_cfg("mask.codec=rotq", "mask.reference=both", "mask.reference_code_bits=32",
                  "mask.reference_code_grad=sideways")
+
+
+def test_a_four_bit_fit_of_an_odd_width_drops_its_pad_and_decodes_the_same_at_both_ends():
+    """H = 33: a 4-bit fit's matrices travel as (17, k) bytes, the last row's high nibble a pad that neither the
+    basis' unit norm nor the decoded values see."""
+    h, gen = 33, torch.Generator().manual_seed(11)
+    m = ResidualMap(h, 3, code_bits=20, sender=5, fit_bits=4)
+    for _ in range(4):
+        x = torch.randn(2, 16, h, generator=gen)
+        m.observe(x, 0.5 * x.flip(-1) + 0.1 * _anisotropic(gen, 32, h).reshape(2, 16, h))
+    assert m.refit()
+    fit = m.current
+    assert {tuple(fit.wire[n].shape[:1]) for n in MATRIX_TENSORS} == {(17,)}
+    torch.testing.assert_close(fit.transform.basis.norm(dim=0), torch.ones(fit.transform.basis.shape[1]))
+    sent = m.attach(RotQuantCodec(1).encode(torch.randn(1, 4, h, generator=gen),
+                                            BoundaryContext(transform=m.transform)))
+    store = MapStore(h, 3, code_bits=20, fit_bits=4)
+    _, key = store.take(sent)
+    got = store.get(key)
+    for a, b in ((got.u, fit.u), (got.v, fit.v), (got.transform.basis, fit.transform.basis)):
+        assert a.shape[0] == h and torch.equal(a, b)
