@@ -723,9 +723,6 @@ class RotQuantCodec(_SameBothWays):
             raise PayloadError("payload tensor 'rms_top' is negative")
         return log8_decode(p["rms"], p["rms_top"])
 
-    def _scale_bytes(self, float_bytes: int) -> int:
-        """Wire bytes of a token's scale (the payload's one top scale aside)."""
-        return float_bytes if self.token_scale == "float" else 1
 
     def _bits(self, kind: str) -> int:
         return self.grad_bits if kind == GRAD else self.bits
@@ -866,16 +863,18 @@ class RotQuantCodec(_SameBothWays):
 
     def forward_nbytes(self, batch: int, seq: int, hidden: int) -> int:
         per_channel = int(self.center) + int(self.weight != "none")  # means, weights: H values each
-        return (rotq_nbytes(batch * seq, hidden, self.bits, self._scale_bytes(4)) + self._top_bytes()
-                + per_channel * hidden * self.wire_dtype.itemsize)
+        return self._coded_nbytes(batch * seq, hidden, self.bits) + per_channel * hidden * self.wire_dtype.itemsize
 
     def backward_nbytes(self, batch: int, seq: int, hidden: int) -> int:
         per_channel = int(self.grad_weight != "none")  # the gradient's weights: H values
-        return (rotq_nbytes(batch * seq, hidden, self.grad_bits, self._scale_bytes(4)) + self._top_bytes()
-                + per_channel * hidden * self.wire_dtype.itemsize)
+        n = self._coded_nbytes(batch * seq, hidden, self.grad_bits)
+        return n + per_channel * hidden * self.wire_dtype.itemsize
 
-    def _top_bytes(self) -> int:  # log8: the payload's largest token scale, one float32
-        return 0 if self.token_scale == "float" else 4
+    def _coded_nbytes(self, tokens: int, hidden: int, bits: int) -> int:
+        """Codes and token scales: a float32 scale a token, or (log8) a byte a token and the payload's largest."""
+        if self.token_scale == "float":
+            return rotq_nbytes(tokens, hidden, bits)
+        return rotq_nbytes(tokens, hidden, bits, scale_bytes=1) + 4
 
 
 # ---------------------------------------------------------------------------------------------
