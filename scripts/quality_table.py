@@ -259,6 +259,12 @@ VARIANTS: dict[str, list[str]] = {
                                                     "mask.reference_grad_code_bits=72",
                                                     "mask.reference_code_metric=fisher", "mask.reference_fit_bits=4",
                                                     "mask.token_scale=log8"],
+    # one-byte token scales alone, the fits in 8 bits (thirty-first session): which of the two cost the row above its
+    # +0.25 points?
+    "rotq1_refmap64_tc288_g72_p10_fisher_f8_log8": [*REFMAP64_P10, "mask.reference_code_bits=288",
+                                                    "mask.reference_grad_code_bits=72",
+                                                    "mask.reference_code_metric=fisher", "mask.reference_fit_bits=8",
+                                                    "mask.token_scale=log8"],
     # and a sixteenth (36 bits a token): where does the gradient code's slack end?
     "rotq1_refmap64_tc288_g36_p10_fisher_f8": [*REFMAP64_P10, "mask.reference_code_bits=288",
                                                "mask.reference_grad_code_bits=36",
