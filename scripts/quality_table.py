@@ -265,6 +265,14 @@ VARIANTS: dict[str, list[str]] = {
                                                     "mask.reference_grad_code_bits=72",
                                                     "mask.reference_code_metric=fisher", "mask.reference_fit_bits=8",
                                                     "mask.token_scale=log8"],
+    # the map in 8 bits, the codes' bases in 4 (mask.reference_basis_bits), whose encoders the sender now fits to the
+    # rounded bases, with one-byte token scales (thirty-first session): the bases are most of a fit's bytes, the map's
+    # U and V lost most to 4-bit rounding in the offline probe
+    "rotq1_refmap64_tc288_g72_p10_fisher_f8_b4_log8": [*REFMAP64_P10, "mask.reference_code_bits=288",
+                                                       "mask.reference_grad_code_bits=72",
+                                                       "mask.reference_code_metric=fisher",
+                                                       "mask.reference_fit_bits=8", "mask.reference_basis_bits=4",
+                                                       "mask.token_scale=log8"],
     # and a sixteenth (36 bits a token): where does the gradient code's slack end?
     "rotq1_refmap64_tc288_g36_p10_fisher_f8": [*REFMAP64_P10, "mask.reference_code_bits=288",
                                                "mask.reference_grad_code_bits=36",

@@ -144,6 +144,10 @@ class MaskConfig:
     # the (H, k) matrices of a fit (the map's U and V, a transform code's basis) on the wire: 16 = bfloat16, 8 = int8
     # with a float32 step per column (about half a fit's bytes), 4 = 4-bit codes with the same steps (about a quarter)
     reference_fit_bits: int = 16
+    # the same for the transform codes' bases alone (forward and gradient codes): 0 = as ``reference_fit_bits``. A
+    # code's basis is most of a fit's bytes (288 of the 416 columns of a g72 fit), and the map's U, V lose more to
+    # rounding than a basis whose encoder the sender fits to the rounded directions
+    reference_basis_bits: int = 0
     # the activation's transform code minimises: "plain" the squared error, "fisher" the error weighted by the
     # empirical Fisher of the boundary (sum g g^T of the gradients its sender receives)
     reference_code_metric: str = "plain"
@@ -276,6 +280,7 @@ _CHOICES = {
     "mask.rotq_weight": ("none", "norm", "norm_std"),
     "mask.grad_bits": (0, 1, 2, 4),
     "mask.reference_fit_bits": (16, 8, 4),
+    "mask.reference_basis_bits": (0, 16, 8, 4),
     "mask.reference_code_metric": ("plain", "fisher"),
     "mask.reference_code_grad": ("straight", "project"),
     "mask.grad_weight": ("none", "std"),
@@ -437,6 +442,7 @@ def _cross_check(cfg: RunConfig) -> None:
                           "transform: it needs mask.reference = both and mask.codec = rotq")
     fits = cfg.mask.reference_map_rank or cfg.mask.reference_code_bits or cfg.mask.reference_grad_code_bits
     for key, what, unset in (("reference_fit_bits", "how a residual map or transform code travels", 16),
+                             ("reference_basis_bits", "how a transform code's basis travels", 0),
                              ("reference_map_first", "when a residual map or transform code is first fitted", 0)):
         if getattr(cfg.mask, key) != unset and not fits:
             raise ConfigError(f"mask.{key} sets {what}: it needs mask.reference_map_rank, mask.reference_code_bits "

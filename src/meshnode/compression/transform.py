@@ -27,6 +27,7 @@ map (:class:`meshnode.stage.reference.ResidualMap`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -54,7 +55,8 @@ class Transform:
     normalised units), ``bits`` (m,) uint8 in 1..4.
 
     ``encoder`` (H, m) float32, the sender's only (it never travels): the projection that gives the coefficients when
-    they are not ``basis``' (a Fisher-weighted code, :func:`fit_transform`'s ``metric``); None: ``basis``."""
+    they are not ``basis``' (a Fisher-weighted code, :func:`fit_transform`'s ``metric``, or one fitted to its basis as
+    rounded for the wire, ``round_basis``); None: ``basis``."""
 
     basis: Tensor
     scale: Tensor
@@ -115,7 +117,7 @@ def allocate_bits(var: Tensor, budget: int) -> Tensor:
 
 
 def fit_transform(second_moment: Tensor, budget: int, basis_dtype: torch.dtype = BASIS_DTYPE,
-                  metric: Tensor | None = None) -> Transform:
+                  metric: Tensor | None = None, round_basis: Callable[[Tensor], Tensor] | None = None) -> Transform:
     """The transform code of ``budget`` bits per token for vectors whose per-token normalised second moment is
     ``second_moment`` (H, H); its trace is taken as H (rescaled if not). The basis is rounded to ``basis_dtype``
     (float32 for a caller that quantises it further).
@@ -125,7 +127,14 @@ def fit_transform(second_moment: Tensor, budget: int, basis_dtype: torch.dtype =
     e_hat)``. With ``L = M^(1/2)`` (M scaled to trace H, plus :data:`METRIC_FLOOR` x I), the code is the KLT of
     ``L e``: coefficients ``c = (L b_i)^T e`` for the eigenvectors ``b_i`` of ``L S L``, decoded along ``L^-1 b_i``.
     Those directions travel as unit columns (the basis), each one's norm folded into its scale, and ``encoder``
-    holds ``L b_i`` times the same norms: the receiver decodes exactly as for a plain code."""
+    holds ``L b_i`` times the same norms: the receiver decodes exactly as for a plain code.
+
+    ``round_basis``: rounds the unit basis (float32) as it will travel (to bfloat16, or to 8 or 4 bits per value;
+    it returns what both ends decode with, which becomes ``basis``). The sender's encoder is then fitted to the
+    rounded directions ``D``, not to the exact ones: ``E = M D (D^T M D)^-1`` (``M = I`` for a plain code), the
+    coefficients that minimise the (weighted) error of ``D c``, and the scales are those coefficients' spreads. For
+    the exact ``D`` this is the encoder above; for a coarsely rounded one (4 bits) it undoes what the rounding moved
+    the directions by (their overlaps) instead of coding against directions the receiver does not use."""
     s = second_moment.double()
     h = s.shape[0]
     if s.shape != (h, h):
@@ -137,6 +146,7 @@ def fit_transform(second_moment: Tensor, budget: int, basis_dtype: torch.dtype =
     if not tr > 0 or not bool(torch.isfinite(s).all()):
         raise ValueError("second moment must be finite with a positive trace")
     s = s * (h / tr)
+    plain = s
     root = None
     if metric is not None:
         root, inv = metric_root(metric)
@@ -149,11 +159,24 @@ def fit_transform(second_moment: Tensor, budget: int, basis_dtype: torch.dtype =
     floor = 1e-12 * float(var[0])
     scale = var[keep].clamp_min(floor).sqrt()
     if root is None:
-        return Transform(basis=vecs[:, keep].to(basis_dtype), scale=scale.float(), bits=bits[keep].to(torch.uint8))
-    dec = inv @ vecs[:, keep]  # the directions the coefficients decode along
-    norms = dec.norm(dim=0)
-    return Transform(basis=(dec / norms).to(basis_dtype), scale=(scale * norms).float(),
-                     bits=bits[keep].to(torch.uint8), encoder=((root @ vecs[:, keep]) * norms).float())
+        basis, encoder = vecs[:, keep], None
+    else:
+        dec = inv @ vecs[:, keep]  # the directions the coefficients decode along
+        norms = dec.norm(dim=0)
+        basis, scale, encoder = dec / norms, scale * norms, (root @ vecs[:, keep]) * norms
+    bits = bits[keep].to(torch.uint8)
+    if round_basis is None:
+        return Transform(basis=basis.to(basis_dtype), scale=scale.float(), bits=bits,
+                         encoder=None if encoder is None else encoder.float())
+    rounded = round_basis(basis.float())
+    d = rounded.double()
+    md = d if root is None else (root @ root) @ d
+    try:
+        encoder = torch.linalg.solve(d.T @ md, md.T).T  # M D (D^T M D)^-1
+    except torch.linalg.LinAlgError:
+        raise ValueError("the rounded basis is singular") from None
+    spread = (encoder * (plain @ encoder)).sum(0).clamp_min(floor).sqrt()  # std of each coefficient E^T e
+    return Transform(basis=rounded, scale=spread.float(), bits=bits, encoder=encoder.float())
 
 
 def metric_root(metric: Tensor) -> tuple[Tensor, Tensor]:

@@ -49,7 +49,9 @@ its code with its gradients: in the mesh once per fit, in the swarm with the rep
 not list it among the codes it holds (``held_codes``), so a caller that restarted gets it again.
 
 ``mask.reference_fit_bits = 8`` sends a fit's (H, k) matrices as int8 with a float32 step per column (about half
-its bytes; both ends use the decoded values), ``4`` as 4-bit codes two to a byte (about a quarter).
+its bytes; both ends use the decoded values), ``4`` as 4-bit codes two to a byte (about a quarter);
+``mask.reference_basis_bits`` sets the codes' bases apart from the map (0: as the map). The sender fits its code's
+encoder to the basis as rounded (:func:`meshnode.compression.fit_transform`'s ``round_basis``).
 ``mask.reference_code_metric = "fisher"`` weights the activation's code by the empirical Fisher of the boundary,
 from the gradients its sender receives (``observe_grad``); nothing changes on the wire. ``mask.reference_code_grad =
 "project"`` has the sender apply the gradient it receives through its code's linear part
@@ -300,6 +302,26 @@ def _quantized_columns(name: str, x: Tensor, wire: dict[str, Tensor], bits: int,
     return _decode_columns(wire[name], step, bits, x.shape[0])
 
 
+def _rounded(name: str, x: Tensor, wire: dict[str, Tensor] | None, bits: int, unit: bool = False) -> Tensor:
+    """The (H, k) fit matrix ``x`` as both ends will use it: bfloat16 (``bits`` 16), or decoded from 8 or 4 bits per
+    value (:func:`_quantized_columns`); put in ``wire`` as payload tensor ``name`` when there is one."""
+    if bits == 16:
+        t = x.to(MAP_DTYPE)
+        if wire is not None:
+            wire[name] = t
+        return t
+    return _quantized_columns(name, x, wire, bits, unit)
+
+
+def _check_fit_bits(fit_bits: int, basis_bits: int | None) -> tuple[int, int]:
+    """(bits of the map's matrices, bits of a code's basis); ``basis_bits`` None or 0: the map's."""
+    basis_bits = basis_bits or fit_bits
+    for key, b in (("reference_fit_bits", fit_bits), ("reference_basis_bits", basis_bits)):
+        if b not in FIT_BITS:
+            raise ValueError(f"mask.{key} must be one of {FIT_BITS}, got {b}")
+    return int(fit_bits), int(basis_bits)
+
+
 def _decode_columns(q: Tensor, step: Tensor, bits: int, rows: int) -> Tensor:
     """float32 (rows, k) from the codes of :func:`_quantized_columns` and a step per column (k,)."""
     return dequantize_absmax(q.T, step, bits, rows).T.contiguous()
@@ -336,14 +358,15 @@ class ResidualMap:
     per-token normalised second moment of ``r - centre(h_ref) U V^T`` over the same microbatches (computed
     exactly for the new map from weighted statistics: each token weighted by 1 / its residual's mean square).
     ``rank`` may then be 0 (no map, only the code). ``fit_bits`` 8 (4) sends the (H, k) matrices of a fit in 8 (4)
-    bits per value (a float32 step per column) instead of bfloat16: about half (a quarter of) the bytes. ``fisher``:
+    bits per value (a float32 step per column) instead of bfloat16: about half (a quarter of) the bytes;
+    ``basis_bits`` (None: ``fit_bits``) the same for the code's basis alone. ``fisher``:
     the code minimises the error weighted by the empirical Fisher of what it codes, from the gradients
     :meth:`observe_grad` is given (the sender of an activation receives its gradient;
     :func:`meshnode.compression.transform.fit_transform`).
     """
 
     def __init__(self, hidden: int, rank: int, ridge: float = 1e-2, sender: int | None = None, code_bits: int = 0,
-                 centre: bool = True, fit_bits: int = 16, fisher: bool = False):
+                 centre: bool = True, fit_bits: int = 16, fisher: bool = False, basis_bits: int | None = None):
         if rank and not centre:
             raise ValueError("a residual map predicts a centred residual: rank > 0 needs centre")
         if not 0 <= rank <= hidden or not (rank or code_bits):
@@ -351,10 +374,8 @@ class ResidualMap:
         if not 0 <= code_bits <= MAX_CODE_BITS * hidden:
             raise ValueError(f"mask.reference_code_bits must be in [0, {MAX_CODE_BITS * hidden}] for {hidden} "
                              f"channels, got {code_bits}")
-        if fit_bits not in FIT_BITS:
-            raise ValueError(f"mask.reference_fit_bits must be one of {FIT_BITS}, got {fit_bits}")
+        self.fit_bits, self.basis_bits = _check_fit_bits(fit_bits, basis_bits)
         self.hidden, self.rank, self.ridge, self.code_bits = int(hidden), int(rank), float(ridge), int(code_bits)
-        self.fit_bits = int(fit_bits)
         self.fisher = bool(fisher and code_bits)
         self.centre = bool(centre)  # whether what is coded is centred per microbatch (activations; not gradients)
         # names this sender's maps apart from those of other peers of its stage (a receiver may serve several)
@@ -397,7 +418,7 @@ class ResidualMap:
     _STATS = ("xtx", "xtr", "wxx", "wxr", "wrr", "ggt")
 
     def _settings(self) -> dict:
-        return {"hidden": self.hidden, "rank": self.rank, "code_bits": self.code_bits, "fit_bits": self.fit_bits,
+        return {"hidden": self.hidden, "rank": self.rank, "code_bits": self.code_bits, **_bits_settings(self),
                 "fisher": self.fisher, "centre": self.centre}
 
     def state_dict(self) -> dict:
@@ -490,28 +511,26 @@ class ResidualMap:
         if n < 2 * self.hidden:
             return False
         u = v = tf = None
-        wire: dict[str, Tensor] | None = {} if self.fit_bits < 16 else None  # what travels, with 8- or 4-bit fits
+        # what travels, when any matrix goes in 8 or 4 bits (else the fit's own tensors)
+        wire: dict[str, Tensor] | None = {} if min(self.fit_bits, self.basis_bits) < 16 else None
         if self.rank:
             uv = self._fit_map(n, xtx, xtr)
             if uv is None:
                 return False
             # rounded as they travel (bfloat16, or 8 or 4 bits per value): both ends use these
-            u, v = ((_quantized_columns(MAP_TENSORS[0], uv[0], wire, self.fit_bits),
-                     _quantized_columns(MAP_TENSORS[1], uv[1], wire, self.fit_bits))
-                    if wire is not None else (uv[0].to(MAP_DTYPE), uv[1].to(MAP_DTYPE)))
+            u, v = (_rounded(name, x, wire, self.fit_bits) for name, x in zip(MAP_TENSORS, uv))
         if self.code_bits:
             s = wrr
             if u is not None:  # the second moment of r - x A for the map as rounded: what will be coded
                 a = u.double() @ v.double().T
                 cross = a.T @ wxr
                 s = wrr - cross - cross.T + a.T @ wxx @ a
-            try:
-                tf = fit_transform(s, self.code_bits, MAP_DTYPE if wire is None else torch.float32, metric)
+            try:  # the basis rounded as it travels, the sender's encoder fitted to it
+                tf = fit_transform(s, self.code_bits, metric=metric, round_basis=lambda b: _rounded(
+                    CODE_TENSORS[0], b, wire, self.basis_bits, unit=True))
             except (ValueError, torch.linalg.LinAlgError):
                 return False
             if wire is not None:
-                tf = dataclasses.replace(tf, basis=_quantized_columns(CODE_TENSORS[0], tf.basis, wire,
-                                                                             self.fit_bits, unit=True))
                 wire.update(zip(CODE_TENSORS[1:], (tf.scale, tf.bits)))
         self.version += 1
         self.history[self.version] = MapFit(u, v, tf, wire)
@@ -546,11 +565,9 @@ class MapStore:
     last ``keep`` versions of each of the last :data:`MAX_MAP_SENDERS` senders."""
 
     def __init__(self, hidden: int, rank: int, keep: int = 2, code_bits: int = 0, fit_bits: int = 16,
-                 fisher: bool = False):
-        if fit_bits not in FIT_BITS:
-            raise ValueError(f"mask.reference_fit_bits must be one of {FIT_BITS}, got {fit_bits}")
+                 fisher: bool = False, basis_bits: int | None = None):
+        self.fit_bits, self.basis_bits = _check_fit_bits(fit_bits, basis_bits)
         self.hidden, self.rank, self.keep, self.code_bits = int(hidden), int(rank), int(keep), int(code_bits)
-        self.fit_bits = int(fit_bits)
         self.fisher = bool(fisher)  # its codes are Fisher-weighted: unit but not orthogonal bases, larger scales
         self.maps: OrderedDict[tuple[int, int], MapFit] = OrderedDict()
 
@@ -576,20 +593,21 @@ class MapStore:
 
     def _fit_from(self, parts: dict[str, Tensor]) -> MapFit:
         mats = (MAP_TENSORS if self.rank else ()) + ((CODE_TENSORS[0],) if self.code_bits else ())
-        steps = tuple(STEP_TENSORS[MATRIX_TENSORS.index(n)] for n in mats) if self.fit_bits < 16 else ()
+        bits = {n: self.basis_bits if n == CODE_TENSORS[0] else self.fit_bits for n in mats}
+        steps = tuple(STEP_TENSORS[MATRIX_TENSORS.index(n)] for n in mats if bits[n] < 16)
         want = set(mats) | set(CODE_TENSORS if self.code_bits else ()) | set(steps)
         if set(parts) != want:
             raise PayloadError(f"payload residual map must carry {sorted(want)}, got {sorted(parts)}")
-        dtype = {16: MAP_DTYPE, 8: torch.int8, 4: torch.uint8}[self.fit_bits]
-        rows = _wire_rows(self.hidden, self.fit_bits)
         dec: dict[str, Tensor] = {}
         for name in mats:
             t = parts[name]
+            dtype = {16: MAP_DTYPE, 8: torch.int8, 4: torch.uint8}[bits[name]]
+            rows = _wire_rows(self.hidden, bits[name])
             cols = self.rank if name in MAP_TENSORS else t.shape[-1]
             if t.dim() != 2 or tuple(t.shape) != (rows, cols) or t.dtype != dtype:
                 raise PayloadError(f"payload fit tensor {name!r} must be {(rows, cols)} {dtype}, got "
                                    f"{(tuple(t.shape), t.dtype)}")
-            if self.fit_bits == 16:
+            if bits[name] == 16:
                 if not bool(torch.isfinite(t).all()):
                     raise PayloadError(f"payload fit tensor {name!r} has non-finite values")
                 dec[name] = t
@@ -599,7 +617,7 @@ class MapStore:
             if tuple(step.shape) != (cols,) or step.dtype != torch.float32 or not (
                     bool(torch.isfinite(step).all()) and bool((step >= 0).all())):
                 raise PayloadError(f"payload fit tensor {step_name!r} must be ({cols},) float32, finite and >= 0")
-            dec[name] = _decode_columns(t, step, self.fit_bits, self.hidden)
+            dec[name] = _decode_columns(t, step, bits[name], self.hidden)
         u, v = (dec[MAP_TENSORS[0]], dec[MAP_TENSORS[1]]) if self.rank else (None, None)
         tf = None
         if self.code_bits:
@@ -611,7 +629,7 @@ class MapStore:
             if tf.code_bits != self.code_bits:
                 raise PayloadError(f"payload transform code has {tf.code_bits} bits per token, this boundary uses "
                                    f"{self.code_bits}")
-        return MapFit(u, v, tf, dict(parts) if self.fit_bits < 16 else None)
+        return MapFit(u, v, tf, dict(parts) if min(self.fit_bits, self.basis_bits) < 16 else None)
 
     def _store(self, key: tuple[int, int], fit: MapFit) -> None:
         self.maps[key] = fit
@@ -642,13 +660,18 @@ class MapStore:
         return {"settings": self._settings(), "maps": [[a, b, _fit_state(f)] for (a, b), f in self.maps.items()]}
 
     def _settings(self) -> dict:
-        return {"hidden": self.hidden, "rank": self.rank, "code_bits": self.code_bits, "fit_bits": self.fit_bits,
+        return {"hidden": self.hidden, "rank": self.rank, "code_bits": self.code_bits, **_bits_settings(self),
                 "fisher": self.fisher}
 
     def load_state_dict(self, state: dict) -> None:
         if state["settings"] != self._settings():
             raise ValueError(f"map store state {state['settings']} does not fit this one {self._settings()}")
         self.maps = OrderedDict(((int(a), int(b)), _fit_from_state(f)) for a, b, f in state["maps"])
+
+
+def _bits_settings(fits: ResidualMap | MapStore) -> dict:
+    """The fit's bits in a checkpoint's settings (``basis_bits`` only where it differs: older states lack it)."""
+    return {"fit_bits": fits.fit_bits, **({"basis_bits": fits.basis_bits} if fits.basis_bits != fits.fit_bits else {})}
 
 
 def map_bytes(hidden: int, rank: int) -> int:

@@ -175,7 +175,7 @@ class StageWorker:
         if (m.reference_map_rank or m.reference_code_bits) and self.map_out is None:
             try:
                 self.map_out = ResidualMap(hidden, m.reference_map_rank, code_bits=m.reference_code_bits,
-                                           fit_bits=m.reference_fit_bits,
+                                           fit_bits=m.reference_fit_bits, basis_bits=m.reference_basis_bits,
                                            fisher=m.reference_code_metric == "fisher")
             except ValueError as exc:
                 raise StageError(f"stage {self.index}: {exc}") from None
@@ -215,6 +215,7 @@ class StageWorker:
             m = self.cfg.mask
             rank, bits = self._fit_sizes(store)
             setattr(self, store, MapStore(hidden, rank, code_bits=bits, fit_bits=m.reference_fit_bits,
+                                          basis_bits=m.reference_basis_bits,
                                           fisher=store == "map_in" and m.reference_code_metric == "fisher"))
         return getattr(self, store)
 
@@ -304,7 +305,8 @@ class StageWorker:
         if bits and self.gcode_out is None:
             try:
                 self.gcode_out = ResidualMap(hidden, 0, code_bits=bits, centre=False,
-                                             fit_bits=self.cfg.mask.reference_fit_bits)
+                                             fit_bits=self.cfg.mask.reference_fit_bits,
+                                             basis_bits=self.cfg.mask.reference_basis_bits)
             except ValueError as exc:
                 raise StageError(f"stage {self.index}: {exc}") from None
         return self.gcode_out
