@@ -370,6 +370,33 @@ def test_the_encoder_is_fitted_to_the_basis_as_rounded(metric):
     assert torch.equal(tc_decode(codes, rms, dataclasses.replace(fitted, encoder=None)), tc_decode(codes, rms, fitted))
 
 
+def test_a_sender_keeps_its_fit_rather_than_ship_a_code_a_receiver_refuses(monkeypatch):
+    """The scales of a code whose encoder is fitted to a rounded basis are its coefficients' spreads, which can pass
+    the receiver's bound; the sender checks its code as a receiver would and keeps the fit it has instead."""
+    import meshnode.stage.reference as reference
+
+    gen = torch.Generator().manual_seed(12)
+    m = ResidualMap(H, 4, code_bits=24, sender=3, fit_bits=8)
+    mix = torch.randn(H, H, generator=gen) / H ** 0.5
+
+    def observe():
+        for _ in range(4):
+            x = torch.randn(4, 16, H, generator=gen)
+            m.observe(x, 0.3 * x @ mix + _anisotropic(gen, 64).reshape(4, 16, H))
+
+    observe()
+    assert m.refit() and m.version == 1
+    good = m.current
+
+    def too_wide(*args, **kwargs):
+        tf = fit_transform(*args, **kwargs)
+        return dataclasses.replace(tf, scale=tf.scale * 0 + 1.5 * H ** 0.5)
+
+    monkeypatch.setattr(reference, "fit_transform", too_wide)
+    observe()
+    assert not m.refit() and m.version == 1 and m.current is good
+
+
 def test_the_bases_can_travel_in_fewer_bits_than_the_map(tmp_path):
     """``mask.reference_basis_bits``: U and V in 8 bits, the code's basis in 4. Bytes as the two settings add up, the
     fit crosses the wire and decodes the same at the receiver, a store of either setting alone refuses it, and a

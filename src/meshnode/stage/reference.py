@@ -504,7 +504,8 @@ class ResidualMap:
     @torch.no_grad()
     def refit(self) -> bool:
         """Fit a new version from the statistics since the last fit (then cleared). False (the current map
-        stays) with fewer tokens than twice the width, or if the fit is not finite."""
+        stays) with fewer tokens than twice the width, or if the fit is not finite or its code not one a receiver
+        takes (:meth:`Transform.check`)."""
         n, xtx, xtr, wxx, wxr, wrr = self.tokens, self.xtx, self.xtr, self.wxx, self.wxr, self.wrr
         metric = self.ggt if self.fisher and self.grad_tokens and float(self.ggt.trace()) > 0 else None
         self._reset()
@@ -525,9 +526,10 @@ class ResidualMap:
                 a = u.double() @ v.double().T
                 cross = a.T @ wxr
                 s = wrr - cross - cross.T + a.T @ wxx @ a
-            try:  # the basis rounded as it travels, the sender's encoder fitted to it
+            try:  # the basis rounded as it travels, the sender's encoder fitted to it; never one a receiver refuses
                 tf = fit_transform(s, self.code_bits, metric=metric, round_basis=lambda b: _rounded(
                     CODE_TENSORS[0], b, wire, self.basis_bits, unit=True))
+                tf.check(self.hidden, self.fisher)
             except (ValueError, torch.linalg.LinAlgError):
                 return False
             if wire is not None:
