@@ -175,7 +175,10 @@ def fit_transform(second_moment: Tensor, budget: int, basis_dtype: torch.dtype =
         encoder = torch.linalg.solve(d.T @ md, md.T).T  # M D (D^T M D)^-1
     except torch.linalg.LinAlgError:
         raise ValueError("the rounded basis is singular") from None
-    spread = (encoder * (plain @ encoder)).sum(0).clamp_min(floor).sqrt()  # std of each coefficient E^T e
+    # the std of each coefficient E^T e, within what a receiver takes (a near-orthogonal plain code's can pass
+    # sqrt(H) by a hair when one direction holds nearly all the variance; the quantiser clips the rare excess)
+    spread = (encoder * (plain @ encoder)).sum(0).clamp_min(floor).sqrt()
+    spread = spread.clamp_max(MAX_SCALE[root is not None] * h ** 0.5)
     return Transform(basis=rounded, scale=spread.float(), bits=bits, encoder=encoder.float())
 
 
