@@ -395,6 +395,25 @@ def test_a_sender_keeps_its_fit_rather_than_ship_a_code_a_receiver_refuses(monke
     monkeypatch.setattr(reference, "fit_transform", too_wide)
     observe()
     assert not m.refit() and m.version == 1 and m.current is good
+    assert m.refit_error.startswith("transform code: transform scales must be in")
+    assert not m.refit() and m.refit_error.startswith("0 tokens since the last fit")
+
+
+def test_a_worker_says_why_it_kept_its_fit(tiny_cfg, cache_dir, monkeypatch, caplog):
+    import meshnode.stage.reference as reference
+
+    def too_wide(*args, **kwargs):
+        tf = fit_transform(*args, **kwargs)
+        return dataclasses.replace(tf, scale=tf.scale * 0 + 1.5 * 64 ** 0.5)
+
+    monkeypatch.setattr(reference, "fit_transform", too_wide)
+    trainer = MeshTrainer(tiny_cfg(*CODED, "mask.reference_code_bits=32"), cache_dir)
+    with caplog.at_level("WARNING", logger="meshnode.stage.worker"):
+        for _ in range(2):  # the first fit comes after the second step
+            trainer.train_step()
+    kept = [r.getMessage() for r in caplog.records if "not refitted" in r.getMessage()]
+    assert kept and all("transform scales must be in" in k and "keeping version 0" in k for k in kept)
+    assert trainer.workers[0][0].map_out.version == 0
 
 
 def test_the_bases_can_travel_in_fewer_bits_than_the_map(tmp_path):

@@ -382,6 +382,7 @@ class ResidualMap:
         self.sender = int(sender) if sender is not None else secrets.randbits(31)
         self.version = 0
         self.shipped = True  # whether the current version has gone out with a payload
+        self.refit_error: str | None = None  # why the last refit kept the current version (None: it did not)
         # version -> MapFit of the last two fits, the current one last: a swarm host attaches the one a payload
         # names, which a refit between the forward and the call must not replace
         self.history: OrderedDict[int, MapFit] = OrderedDict()
@@ -505,11 +506,13 @@ class ResidualMap:
     def refit(self) -> bool:
         """Fit a new version from the statistics since the last fit (then cleared). False (the current map
         stays) with fewer tokens than twice the width, or if the fit is not finite or its code not one a receiver
-        takes (:meth:`Transform.check`)."""
+        takes (:meth:`Transform.check`); ``refit_error`` then says which."""
         n, xtx, xtr, wxx, wxr, wrr = self.tokens, self.xtx, self.xtr, self.wxx, self.wxr, self.wrr
         metric = self.ggt if self.fisher and self.grad_tokens and float(self.ggt.trace()) > 0 else None
         self._reset()
+        self.refit_error = None
         if n < 2 * self.hidden:
+            self.refit_error = f"{n} tokens since the last fit, fewer than twice the width ({2 * self.hidden})"
             return False
         u = v = tf = None
         # what travels, when any matrix goes in 8 or 4 bits (else the fit's own tensors)
@@ -517,6 +520,7 @@ class ResidualMap:
         if self.rank:
             uv = self._fit_map(n, xtx, xtr)
             if uv is None:
+                self.refit_error = "the map's solve failed or is not finite"
                 return False
             # rounded as they travel (bfloat16, or 8 or 4 bits per value): both ends use these
             u, v = (_rounded(name, x, wire, self.fit_bits) for name, x in zip(MAP_TENSORS, uv))
@@ -530,7 +534,8 @@ class ResidualMap:
                 tf = fit_transform(s, self.code_bits, metric=metric, round_basis=lambda b: _rounded(
                     CODE_TENSORS[0], b, wire, self.basis_bits, unit=True))
                 tf.check(self.hidden, self.fisher)
-            except (ValueError, torch.linalg.LinAlgError):
+            except (ValueError, torch.linalg.LinAlgError) as exc:
+                self.refit_error = f"transform code: {exc}"
                 return False
             if wire is not None:
                 wire.update(zip(CODE_TENSORS[1:], (tf.scale, tf.bits)))

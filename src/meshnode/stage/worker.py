@@ -509,6 +509,9 @@ class StageWorker:
                                 f"{float(tf.scale.max()) / tf.basis.shape[0] ** 0.5:.3g} sqrt(H)") if tf else ""
                         logger.info("stage %d: %s version %d fitted (%d bytes to send%s)", self.index, what,
                                     fit.version, fit.current.nbytes(), code)
+                    else:
+                        logger.warning("stage %d: %s not refitted at step %d (%s); keeping version %d", self.index,
+                                       what, step, fit.refit_error, fit.version)
                 except Exception:
                     logger.exception("stage %d: %s refit failed; keeping version %d", self.index, what, fit.version)
         stats = {
