@@ -416,6 +416,39 @@ def test_a_worker_says_why_it_kept_its_fit(tiny_cfg, cache_dir, monkeypatch, cap
     assert trainer.workers[0][0].map_out.version == 0
 
 
+@pytest.mark.parametrize("metric", ["plain", "fisher"])
+def test_directions_rounded_alike_are_coded_by_their_common_part(metric):
+    """4-bit absmax rounding can make two columns the same (each dominated by one huge channel rounds to its unit
+    vector). The encoder fitted to such a basis is finite (the Gram matrix is singular), codes the two by their
+    common part (equal encoders), passes the receiver's check, and codes no worse than the exact fit's encoder on
+    the same rounded basis."""
+    gen = torch.Generator().manual_seed(13)
+    x = _anisotropic(gen, 4096, decay=2.0)
+    s = normalised_second_moment(x)
+    g = torch.randn(2048, H, generator=gen, dtype=torch.float64) * torch.linspace(0.1, 3, H, dtype=torch.float64)
+    m = g.T @ g if metric == "fisher" else None
+
+    def alike(b):
+        b = b.clone()
+        b[:, 1] = b[:, 0]
+        return b
+
+    tf = fit_transform(s, 40, metric=m, round_basis=alike)
+    assert bool(torch.isfinite(tf.encoder).all()) and bool(torch.isfinite(tf.scale).all())
+    torch.testing.assert_close(tf.encoder[:, 0], tf.encoder[:, 1], rtol=1e-4, atol=1e-6)
+    tf.check(H, weighted=m is not None)
+    exact = fit_transform(s, 40, torch.float32, metric=m)
+    stale = dataclasses.replace(exact, basis=alike(exact.basis))
+    weight = torch.eye(H, dtype=torch.float64) if m is None else m
+
+    def error(code):
+        codes, rms = tc_encode(x, code)
+        e = (tc_decode(codes, rms, code) - x).double()
+        return float(((e @ weight) * e).sum() / ((x.double() @ weight) * x.double()).sum())
+
+    assert error(tf) <= error(stale)
+
+
 def test_the_bases_can_travel_in_fewer_bits_than_the_map(tmp_path):
     """``mask.reference_basis_bits``: U and V in 8 bits, the code's basis in 4. Bytes as the two settings add up, the
     fit crosses the wire and decodes the same at the receiver, a store of either setting alone refuses it, and a

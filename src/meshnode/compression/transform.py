@@ -131,8 +131,9 @@ def fit_transform(second_moment: Tensor, budget: int, basis_dtype: torch.dtype =
 
     ``round_basis``: rounds the unit basis (float32) as it will travel (to bfloat16, or to 8 or 4 bits per value;
     it returns what both ends decode with, which becomes ``basis``). The sender's encoder is then fitted to the
-    rounded directions ``D``, not to the exact ones: ``E = M D (D^T M D)^-1`` (``M = I`` for a plain code), the
-    coefficients that minimise the (weighted) error of ``D c``, and the scales are those coefficients' spreads. For
+    rounded directions ``D``, not to the exact ones: ``E = M D (D^T M D)^-1`` (``M = I`` for a plain code; directions
+    rounding made collinear are coded by their common part, :func:`_collinear_pinv`), the coefficients that
+    minimise the (weighted) error of ``D c``, and the scales are those coefficients' spreads. For
     the exact ``D`` this is the encoder above; for a coarsely rounded one (4 bits) it undoes what the rounding moved
     the directions by (their overlaps) instead of coding against directions the receiver does not use."""
     s = second_moment.double()
@@ -171,15 +172,28 @@ def fit_transform(second_moment: Tensor, budget: int, basis_dtype: torch.dtype =
     rounded = round_basis(basis.float())
     d = rounded.double()
     md = d if root is None else (root @ root) @ d
-    try:
-        encoder = torch.linalg.solve(d.T @ md, md.T).T  # M D (D^T M D)^-1
-    except torch.linalg.LinAlgError:
-        raise ValueError("the rounded basis is singular") from None
+    encoder = md @ _collinear_pinv(d.T @ md)  # M D (D^T M D)^-1
     # the std of each coefficient E^T e, within what a receiver takes (a near-orthogonal plain code's can pass
     # sqrt(H) by a hair when one direction holds nearly all the variance; the quantiser clips the rare excess)
     spread = (encoder * (plain @ encoder)).sum(0).clamp_min(floor).sqrt()
     spread = spread.clamp_max(MAX_SCALE[root is not None] * h ** 0.5)
     return Transform(basis=rounded, scale=spread.float(), bits=bits, encoder=encoder.float())
+
+
+COLLINEAR = 1e-3  # a rounded basis's combinations whose metric correlation is below this are not coded apart
+
+
+def _collinear_pinv(gram: Tensor) -> Tensor:
+    """The inverse of a rounded basis's Gram matrix ``D^T M D`` (m, m), except along combinations of directions that
+    rounding made (nearly) collinear: on the Gram's correlation matrix (unit diagonal), eigenvalues below
+    :data:`COLLINEAR` are dropped (a pseudo-inverse), so such directions are coded by their common part only, not
+    by large opposite coefficients whose quantisation errors would not cancel. 4-bit absmax rounding of a column
+    dominated by one huge channel can round it to that channel's unit vector, the same as another's."""
+    root = gram.diagonal().clamp_min(1e-300).rsqrt()
+    corr = gram * root[:, None] * root[None, :]
+    lam, vec = torch.linalg.eigh((corr + corr.T) / 2)
+    inv = torch.where(lam > COLLINEAR * float(lam.max()), 1.0 / lam.clamp_min(1e-300), torch.zeros_like(lam))
+    return (vec * inv) @ vec.T * root[:, None] * root[None, :]
 
 
 def metric_root(metric: Tensor) -> tuple[Tensor, Tensor]:
