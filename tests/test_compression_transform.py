@@ -370,6 +370,14 @@ def test_the_encoder_is_fitted_to_the_basis_as_rounded(metric):
     assert torch.equal(tc_decode(codes, rms, dataclasses.replace(fitted, encoder=None)), tc_decode(codes, rms, fitted))
 
 
+def _too_wide(hidden):
+    """A fit_transform whose codes' scales pass a receiver's bound (1.5 sqrt(H))."""
+    def fit(*args, **kwargs):
+        tf = fit_transform(*args, **kwargs)
+        return dataclasses.replace(tf, scale=tf.scale * 0 + 1.5 * hidden ** 0.5)
+    return fit
+
+
 def test_a_sender_keeps_its_fit_rather_than_ship_a_code_a_receiver_refuses(monkeypatch):
     """The scales of a code whose encoder is fitted to a rounded basis are its coefficients' spreads, which can pass
     the receiver's bound; the sender checks its code as a receiver would and keeps the fit it has instead."""
@@ -388,11 +396,7 @@ def test_a_sender_keeps_its_fit_rather_than_ship_a_code_a_receiver_refuses(monke
     assert m.refit() and m.version == 1
     good = m.current
 
-    def too_wide(*args, **kwargs):
-        tf = fit_transform(*args, **kwargs)
-        return dataclasses.replace(tf, scale=tf.scale * 0 + 1.5 * H ** 0.5)
-
-    monkeypatch.setattr(reference, "fit_transform", too_wide)
+    monkeypatch.setattr(reference, "fit_transform", _too_wide(H))
     observe()
     assert not m.refit() and m.version == 1 and m.current is good
     assert m.refit_error.startswith("transform code: transform scales must be in")
@@ -402,11 +406,7 @@ def test_a_sender_keeps_its_fit_rather_than_ship_a_code_a_receiver_refuses(monke
 def test_a_worker_says_why_it_kept_its_fit(tiny_cfg, cache_dir, monkeypatch, caplog):
     import meshnode.stage.reference as reference
 
-    def too_wide(*args, **kwargs):
-        tf = fit_transform(*args, **kwargs)
-        return dataclasses.replace(tf, scale=tf.scale * 0 + 1.5 * 64 ** 0.5)
-
-    monkeypatch.setattr(reference, "fit_transform", too_wide)
+    monkeypatch.setattr(reference, "fit_transform", _too_wide(64))
     trainer = MeshTrainer(tiny_cfg(*CODED, "mask.reference_code_bits=32"), cache_dir)
     with caplog.at_level("WARNING", logger="meshnode.stage.worker"):
         for _ in range(2):  # the first fit comes after the second step
