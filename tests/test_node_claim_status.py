@@ -298,6 +298,24 @@ def test_skipped_steps_travel_in_the_record_and_warn_in_status():
     assert status_json(snap, "run", 3)["stages"][1]["skipped_steps"] == 3
 
 
+def test_reference_mismatches_travel_in_the_record_and_warn_in_status():
+    rec = PeerRecord.from_value(peer("b", 1, ref_mismatch=0.04, ref_refused=2).to_value())
+    assert rec is not None and (rec.ref_mismatch, rec.ref_refused) == (0.04, 2)
+    old = {k: v for k, v in peer("b", 1).to_value().items() if k not in ("ref_mismatch", "ref_refused")}
+    assert (PeerRecord.from_value(old).ref_mismatch, PeerRecord.from_value(old).ref_refused) == (0.0, 0)
+    for bad in ({"ref_mismatch": -1.0}, {"ref_mismatch": float("nan")}, {"ref_refused": -1}, {"ref_refused": 1.5}):
+        assert PeerRecord.from_value({**peer("b", 1).to_value(), **bad}) is None, bad
+    snap = [peer("a", 0, "driver"), peer("b", 1, ref_mismatch=0.002), peer("c", 2)]
+    assert swarm_health(snap, 3)[0].startswith("ok")  # measured, under the tolerance: nothing to say
+    snap += [peer("c2", 2, ref_mismatch=0.04, ref_refused=2), peer("c3", 2, ref_mismatch=0.09, ref_refused=1)]
+    stages = summarize(snap, 3)
+    assert [(st.ref_mismatch, st.ref_refused) for st in stages] == [(0.0, 0), (0.002, 0), (0.09, 3)]
+    assert swarm_health(snap, 3) == ["warning: stage 2 refused 3 microbatches whose sender computes the reference "
+                                     "model differently (relative difference up to 0.09, above "
+                                     "mask.reference_tolerance): peers on other devices' kernels; "
+                                     "mask.reference_tolerance or train.bf16 = false may bring them together"]
+
+
 def test_peers_with_different_reference_models_are_an_error_in_status():
     rec = PeerRecord.from_value(peer("b", 1, reference="aa11").to_value())
     assert rec is not None and rec.reference == "aa11"

@@ -92,6 +92,10 @@ def test_round_trip_dense_mask_rotq():
                     r["payload"]["data"].update(ref_code_scale=b"\x00" * 132)), "transform"),
         (lambda r: (r["payload"]["tensors"].update(ref_map_u_step=["float32", [4, 4]]),
                     r["payload"]["data"].update(ref_map_u_step=b"\x00" * 64)), "transform"),
+        (lambda r: (r["payload"]["tensors"].update(ref_check=["float32", [65]]),
+                    r["payload"]["data"].update(ref_check=b"\x00" * 260)), "reference check"),
+        (lambda r: (r["payload"]["tensors"].update(ref_check=["float32", [2, 4]]),
+                    r["payload"]["data"].update(ref_check=b"\x00" * 32)), "reference check"),
     ],
 )
 def test_malformed_forward_is_refused(mutate, needle):
@@ -99,6 +103,12 @@ def test_malformed_forward_is_refused(mutate, needle):
     mutate(req)
     with pytest.raises(WireError, match=needle):
         _parse(req)
+
+
+def test_a_reference_check_travels_with_a_forward():
+    p = _payload()
+    p.tensors["ref_check"] = torch.linspace(-1.0, 1.0, 64)
+    assert torch.equal(_parse(_request(p)).payload.tensors["ref_check"], p.tensors["ref_check"])
 
 
 def test_the_reference_digest_travels_with_a_forward():

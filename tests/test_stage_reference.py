@@ -182,7 +182,10 @@ def test_reference_coding_at_the_pretrained_weights_is_exact(tiny_cfg, cache_dir
     ref = _first_step(tiny_cfg(*EXACT, "mask.ratio=0.95", f"mask.reference={mode}"), cache_dir)
     assert abs(ref.losses[0] - dense.losses[0]) < 1e-5
     assert abs(m95.losses[0] - dense.losses[0]) > 1e-2  # without the reference the mask changes the pass
-    assert ref.counter.snapshot()["pp_fwd"] == m95.counter.snapshot()["pp_fwd"]  # the same bytes
+    # the same bytes, and each payload's sampled reference (mask.reference_check, float32)
+    checks = (3 - 1) * ref.cfg.train.microbatches * 4 * ref.cfg.mask.reference_check
+    assert checks > 0
+    assert ref.counter.snapshot()["pp_fwd"] == m95.counter.snapshot()["pp_fwd"] + checks
     for s in range(3):
         a = torch.cat([p.detach().reshape(-1) for p in dense.workers[0][s].module.parameters()])
         b = torch.cat([p.detach().reshape(-1) for p in ref.workers[0][s].module.parameters()])
@@ -234,3 +237,129 @@ def test_a_worker_without_its_reference_or_ids_refuses(tiny_cfg):
     assert not w1.in_flight  # nothing kept from the refused request
     w1.forward(MicrobatchId(0, 0), payload, labels=ids)
     assert make_codec(cfg.mask).describe() == w1.codec.describe()
+
+
+# ---------------------------------------------------------------------------------------------
+# the reference check (mask.reference_check): both ends compute the pretrained model alike
+
+
+def test_a_reference_check_is_sampled_alike_and_a_malformed_one_refused():
+    from meshnode.compression import PayloadError
+    from meshnode.stage.reference import CHECK_TENSOR, reference_difference, reference_sample, take_check, with_check
+
+    ref = torch.arange(2 * 3 * 5, dtype=torch.float32).reshape(2, 3, 5)
+    s = reference_sample(ref, 4)
+    assert s.dtype == torch.float32 and s.tolist() == [0.0, 9.0, 19.0, 29.0]  # the first, the last, evenly between
+    assert reference_sample(ref.double(), 1).tolist() == [0.0]
+    assert reference_difference(s, s) == 0.0 and reference_difference(0 * s, 0 * s) == 0.0
+    assert reference_difference(s * 1.01, s) == pytest.approx(0.01 / 1.01, rel=1e-5)
+    payload = EncodedPayload("rotq", "activation", (2, 3, 5), "float32", {"codes": torch.zeros(2, 3, 1)})
+    checked = with_check(payload, ref, 4)
+    assert with_check(payload, ref, 0) is payload
+    rest, got = take_check(checked, 4)
+    assert set(rest.tensors) == {"codes"} and torch.equal(got, s)
+    assert take_check(payload, 0) == (payload, None)
+    bad = {"none": payload, "short": with_check(payload, ref, 3),
+           "nan": EncodedPayload("rotq", "activation", (2, 3, 5), "float32",
+                                 {**payload.tensors, CHECK_TENSOR: torch.full((4,), float("nan"))}),
+           "half": EncodedPayload("rotq", "activation", (2, 3, 5), "float32",
+                                  {**payload.tensors, CHECK_TENSOR: s.half()})}
+    for name, p in bad.items():
+        with pytest.raises(PayloadError, match="reference check"):
+            take_check(p, 4)
+        assert name
+    with pytest.raises(PayloadError, match="does not use"):
+        take_check(checked, 0)
+
+
+def test_the_check_travels_with_every_coded_payload_and_changes_no_number(tiny_cfg, cache_dir):
+    """Two mesh runs, with and without checks: the same losses, bit for bit (both ends of a mesh share one
+    reference, so every difference is 0), and 4 bytes a sampled entry more on each payload, both ways."""
+    base = (*EXACT, "mask.codec=rotq", "mask.bits=1", "mask.reference=both", "train.steps=2")
+    on, off = (MeshTrainer(tiny_cfg(*base, f"mask.reference_check={n}"), cache_dir) for n in (8, 0))
+    for t in (on, off):
+        t.train_step()
+        t.train_step()
+    assert on.losses == off.losses
+    payloads = 2 * (3 - 1) * on.cfg.train.microbatches  # two steps, two boundaries
+    got = {axis: on.counter.snapshot()[axis] - off.counter.snapshot()[axis] for axis in ("pp_fwd", "pp_bwd")}
+    assert got == {"pp_fwd": payloads * 8 * 4, "pp_bwd": payloads * 8 * 4}
+    assert all(w.ref_mismatch == 0.0 and w.ref_refused == 0 for w in on.workers[0])
+    with pytest.raises(ConfigError, match="reference_check"):
+        tiny_cfg(*base, "mask.reference_check=65")
+    with pytest.raises(ConfigError, match="reference_tolerance"):
+        tiny_cfg(*base, "mask.reference_tolerance=0")
+
+
+def _skewed(ref: ReferenceModel, stage: int, factor: float) -> ReferenceModel:
+    """``ref`` whose frozen ``stage`` gives its output times ``factor``: the same weights (the same digest), other
+    numbers, as another device's kernels would give."""
+    ref.stages[stage].register_forward_hook(lambda module, args, out: out * factor)
+    return ref
+
+
+def test_peers_that_compute_the_reference_differently_are_told_apart(tiny_cfg, cache_dir):
+    """Swarm hosts of a 2-stage run through the wire's parsing, no network. Each peer holds its own copy of the
+    frozen model; one whose numbers differ by 0.1 % (as another device's kernels might) is served and the
+    difference measured; one 5 % off is refused with the tolerance named, and keeps nothing of the microbatch; a
+    caller whose reference gradient differs refuses the gradient it is sent before it reaches its weights."""
+    import asyncio
+    import copy
+
+    from meshnode.node.host import StageHost
+    from meshnode.protocol.limits import Limits
+
+    cfg = tiny_cfg("model.stages=2", "mask.codec=rotq", "mask.bits=1", "mask.reference=both", "train.microbatches=1",
+                   "train.bf16=false")
+    model, _ = load_model(cfg.model, cache_dir)
+    limits = Limits.from_config(cfg, cfg.model.tiny_hidden, cfg.model.tiny_vocab)
+    pretrained = cut_model(copy.deepcopy(model), 2)
+    peers: dict[str, StageHost] = {}
+    target = ["same"]
+
+    async def call_next(stage, build):
+        return await peers[target[0]].forward(build(1, target[0]))
+
+    def host(stage, skew=None):
+        w = StageWorker(cut_model(copy.deepcopy(model), 2)[stage], cfg)
+        w.reference = ReferenceModel([pretrained[0], pretrained[1]])
+        if skew is not None:
+            _skewed(w.reference, *skew)
+        return StageHost(w, cfg, limits, "run", call_next=call_next if stage == 0 else None)
+
+    sender, skewed_sender = host(0), host(0, skew=(1, 1.5))
+    peers.update(same=host(1), near=host(1, skew=(0, 1.001)), far=host(1, skew=(0, 1.05)))
+    assert len({h.reference_digest for h in (sender, skewed_sender, *peers.values())}) == 1  # digests cannot tell
+    ids = torch.randint(0, cfg.model.tiny_vocab, (cfg.train.batch_size, cfg.data.seq_len))
+
+    def grads(h):
+        return [p.grad for p in h.worker.module.parameters() if p.grad is not None and p.grad.any()]
+
+    async def scenario():
+        await sender.process(driver="d", step=0, mb=0, attempt=1, inputs=ids, labels=ids)
+        assert peers["same"].worker.ref_mismatch == 0.0 and sender.worker.ref_mismatch == 0.0  # bit-identical
+        target[0] = "near"
+        await sender.process(driver="d", step=1, mb=0, attempt=1, inputs=ids, labels=ids)
+        assert 5e-4 < peers["near"].worker.ref_mismatch < 2e-3  # measured, under the tolerance: served
+        # and its gradient reference, taken at an input its own reference shifted, differs a little too
+        assert 0.0 < sender.worker.ref_mismatch < 1e-2 and sender.worker.ref_refused == 0
+        assert peers["near"].tokens == ids.numel() and peers["near"].worker.ref_refused == 0
+        target[0] = "far"
+        with pytest.raises(Exception, match="mask.reference_tolerance") as refused:
+            await sender.process(driver="d", step=2, mb=0, attempt=1, inputs=ids, labels=ids)
+        assert "activation reference" in str(refused.value)
+        far = peers["far"].worker
+        assert far.ref_refused == 1 and 0.03 < far.ref_mismatch < 0.07
+        assert not far.in_flight and not grads(peers["far"]) and peers["far"].tokens == 0
+        target[0] = "same"  # the gradient's way: the caller computes g_ref with its own frozen stage 1
+        with pytest.raises(StageError, match="gradient reference") as refused:
+            await skewed_sender.process(driver="e", step=0, mb=0, attempt=1, inputs=ids, labels=ids)
+        assert "mask.reference_tolerance" in str(refused.value)
+        assert skewed_sender.worker.ref_refused == 1 and skewed_sender.worker.ref_mismatch > 0.01
+        assert not skewed_sender.worker.in_flight and not grads(skewed_sender) and skewed_sender.tokens == 0
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for h in (sender, skewed_sender, *peers.values()):
+            h.executor.shutdown(wait=True)

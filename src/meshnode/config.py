@@ -155,6 +155,13 @@ class MaskConfig:
     # receiver's gradient as it is (straight through the code), "project" through the code's linear part (the
     # directions it sends): the sender's weights are not pushed along directions the next stage never sees
     reference_code_grad: str = "straight"
+    # with a reference: every coded payload carries this many entries of the reference its sender coded against
+    # (float32, evenly spaced over the tensor; 0 = none), and the receiver compares them with its own: both ends
+    # must compute the pretrained model alike, and another device's kernels may not (meshnode.stage.reference)
+    reference_check: int = 8
+    # the receiver refuses a microbatch whose sampled reference differs from its own by more than this (relative
+    # root-mean-square difference); the largest difference seen is in the peer's record and ``meshnode status``
+    reference_tolerance: float = 0.01
     topk_ratio: float = 0.1  # fraction of channels kept by the top-k baseline
     wire_dtype: str = "bfloat16"  # bfloat16 | float16 | float32
     version: int = 0
@@ -312,12 +319,13 @@ _POSITIVE = {
     "model.tiny_intermediate", "model.tiny_vocab", "data.seq_len", "train.batch_size", "train.microbatches",
     "train.eval_batches", "anchor.period", "anchor.max_staleness", "dp.replicas", "dp.inner_steps", "dp.rank",
     "dp.fragments", "spectral.clean_every", "dp.round_timeout", "dp.matchmaking_time", "mask.reference_map_period",
+    "mask.reference_tolerance",
 }
 _NON_NEGATIVE = {
     "train.steps", "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every",
     "train.checkpoint_every", "train.threads", "mask.warmup_steps", "spectral.tau", "spectral.rank", "data.max_docs",
     "anchor.batch_size", "dp.outer_lr", "train.eps", "mask.reference_map_rank", "mask.reference_code_bits",
-    "mask.reference_grad_code_bits", "mask.reference_map_first",
+    "mask.reference_grad_code_bits", "mask.reference_map_first", "mask.reference_check",
 }
 
 
@@ -453,6 +461,9 @@ def _cross_check(cfg: RunConfig) -> None:
     if cfg.mask.reference_code_grad != "straight" and not cfg.mask.reference_code_bits:
         raise ConfigError("mask.reference_code_grad sets the gradient through the activation's transform code: it "
                           "needs mask.reference_code_bits")
+    if cfg.mask.reference_check > 64:  # meshnode.compression.MAX_REF_CHECK, what the wire admits
+        raise ConfigError(f"mask.reference_check: {cfg.mask.reference_check} sampled entries of the reference per "
+                          "payload; at most 64 (8 tell a numeric mismatch apart from none)")
     if cfg.anchor.enabled and cfg.anchor.snapshot == "dp" and not cfg.dp.enabled:
         raise ConfigError("anchor.snapshot: 'dp' needs dp.enabled = true (the anchor follows the DP all-reduce)")
     if cfg.dp.matchmaking_time >= cfg.dp.round_timeout:

@@ -6,6 +6,8 @@ No networking here (DESIGN.md section 2): ``stage/`` uses the codecs at its boun
 
 from .accounting import AXES, HEADER_BYTES, ByteCounter, payload_bytes, tensor_bytes
 from .codec import (
+    MAX_REF_CHECK,
+    REF_CHECK_TENSOR,
     REF_CODE_TENSORS,
     REF_FIT_STEP_TENSORS,
     REF_MAP_META,
@@ -42,7 +44,8 @@ from .rotquant import ROTQ_BITS, rotation, rotq_decode, rotq_encode, rotq_nbytes
 from .transform import Transform, fit_transform, normalised_second_moment, tc_decode, tc_encode, tc_grad
 
 __all__ = [
-    "AXES", "HEADER_BYTES", "REF_CODE_TENSORS", "REF_FIT_STEP_TENSORS", "REF_MAP_META", "REF_MAP_TENSORS",
+    "AXES", "HEADER_BYTES", "MAX_REF_CHECK", "REF_CHECK_TENSOR", "REF_CODE_TENSORS", "REF_FIT_STEP_TENSORS",
+    "REF_MAP_META", "REF_MAP_TENSORS",
     "RESCALE_MODES", "WIRE_DTYPES",
     "BoundaryCodec", "BoundaryContext", "ByteCounter",
     "DenseCodec", "EncodedPayload", "MaskCodec", "MaskKey", "PayloadError", "PowerSGDState", "QuantCodec", "ROTQ_BITS",

@@ -134,6 +134,10 @@ REF_CODE_TENSORS = ("ref_code_basis", "ref_code_scale", "ref_code_bits")
 # with ``mask.reference_fit_bits = 8`` the (H, k) matrices travel as int8 with one float32 step per column (k,); with 4
 # as 4-bit codes packed two rows to a byte, uint8 (ceil(H / 2), k) (a code's basis: ``mask.reference_basis_bits``)
 REF_FIT_STEP_TENSORS = tuple(f"{name}_step" for name in (*REF_MAP_TENSORS, REF_CODE_TENSORS[0]))
+# ``mask.reference_check``: entries of the reference the sender coded against, (n <= 64,) float32, which the receiver
+# compares with its own
+REF_CHECK_TENSOR = "ref_check"
+MAX_REF_CHECK = 64
 
 
 @dataclass

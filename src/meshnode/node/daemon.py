@@ -243,6 +243,8 @@ class SwarmNode:
             bytes={k: v for k, v in self.counter.snapshot().items() if k != "total"},
             prior_step=self.prior_step, dp_syncs=host.dp_syncs() if host else 0,
             skipped_steps=host.skipped_steps if host else 0, reference=host.reference_digest if host else None,
+            ref_mismatch=min(float(host.worker.ref_mismatch), 1e12) if host else 0.0,
+            ref_refused=host.worker.ref_refused if host else 0,
             shard=self.shard,
             movable=self.opts.rebalance_after is not None, busy=host.busy() if host else False,
         )

@@ -509,6 +509,7 @@ class StageHost:
             "run": self.run_id, "stage": self.stage, "num_stages": self.num_stages, "opt_step": self.opt_step,
             "driver_step": self.driver_step, "tokens": self.tokens, "bytes": self.worker.counter.snapshot(),
             "loss": self.last_loss, "refused": self.refused,
+            "ref_mismatch": self.worker.ref_mismatch, "ref_refused": self.worker.ref_refused,
         }
 
     # ---- weights and state for peers -------------------------------------------------------

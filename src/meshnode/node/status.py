@@ -27,6 +27,10 @@ class StageSummary:
     prior_step: int | None = None
     prior_age: int | None = None
     skipped_steps: int = 0  # optimizer steps its peers skipped for a non-finite gradient (weights kept)
+    # mask.reference_check: the largest relative difference its peers measured between a caller's sampled reference
+    # and their own, and the microbatches they refused for one above mask.reference_tolerance
+    ref_mismatch: float = 0.0
+    ref_refused: int = 0
 
 
 def _live(peers: Sequence[PeerRecord]) -> list[PeerRecord]:
@@ -72,6 +76,8 @@ def summarize(peers: Sequence[PeerRecord], num_stages: int | None = None) -> lis
         st.capacity += p.capacity
         st.step = max(st.step, p.step)
         st.skipped_steps += p.skipped_steps
+        st.ref_mismatch = max(st.ref_mismatch, p.ref_mismatch)
+        st.ref_refused += p.ref_refused
         if p.loss is not None and (p.stage == n - 1 or st.loss is None):
             st.loss = p.loss
         if p.prior_step is not None:
@@ -110,6 +116,12 @@ def swarm_health(peers: Sequence[PeerRecord], num_stages: int | None = None, *, 
         if st.skipped_steps:
             lines.append(f"warning: stage {st.stage} skipped {st.skipped_steps} optimizer steps for a non-finite "
                          "gradient (weights kept; a bad payload or an overflow upstream)")
+    for st in stages:
+        if st.ref_refused:
+            lines.append(f"warning: stage {st.stage} refused {st.ref_refused} microbatches whose sender computes the "
+                         f"reference model differently (relative difference up to {st.ref_mismatch:.3g}, above "
+                         "mask.reference_tolerance): peers on other devices' kernels; mask.reference_tolerance or "
+                         "train.bf16 = false may bring them together")
     if max_staleness is not None:
         for st in stages:
             if st.prior_age is not None and st.prior_age > max_staleness:

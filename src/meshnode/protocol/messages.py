@@ -29,7 +29,14 @@ import msgpack
 import torch
 from torch import Tensor
 
-from ..compression import REF_CODE_TENSORS, REF_FIT_STEP_TENSORS, REF_MAP_TENSORS, EncodedPayload
+from ..compression import (
+    MAX_REF_CHECK,
+    REF_CHECK_TENSOR,
+    REF_CODE_TENSORS,
+    REF_FIT_STEP_TENSORS,
+    REF_MAP_TENSORS,
+    EncodedPayload,
+)
 from .limits import MAX_META_BYTES, Limits
 
 PROTOCOL_VERSION = 1
@@ -46,8 +53,8 @@ TENSOR_DTYPES: dict[str, torch.dtype] = {
 LABEL_DTYPES = ("uint16", "int32")
 # a payload's own (at most 5: rotq's codes, scales, the largest scale with one-byte scales, channel means and weights;
 # a transform-coded one never carries weights, so at most 4), a residual map's two and its transform code's three,
-# and with 8- or 4-bit fits the three matrices' steps per column
-MAX_TENSORS = 12
+# and with 8- or 4-bit fits the three matrices' steps per column, and the sampled reference (mask.reference_check)
+MAX_TENSORS = 13
 
 
 class WireError(ValueError):
@@ -187,6 +194,10 @@ def payload_from_wire(body: Any, limits: Limits, kind: str) -> EncodedPayload:
             # (ceil(H / 2), k) with 4-bit codes packed two rows to a byte
             if tt.dim() != 2 or tt.shape[0] not in (h, (h + 1) // 2) or tt.shape[1] > h:
                 raise WireError(f"tensor {name!r} of shape {list(tt.shape)} is not a residual map ({h}, k <= {h})")
+        elif name == REF_CHECK_TENSOR:  # mask.reference_check: sampled entries of the sender's reference
+            if tt.dim() != 1 or tt.shape[0] > MAX_REF_CHECK:
+                raise WireError(f"tensor {name!r} of shape {list(tt.shape)} is not a reference check "
+                                f"(n <= {MAX_REF_CHECK},)")
         elif name == "rms_top":  # rotq's log8 token scales: the payload's largest, one value
             if tt.dim() != 1 or tt.shape[0] != 1:
                 raise WireError(f"tensor {name!r} of shape {list(tt.shape)} is not one value")

@@ -52,6 +52,10 @@ class PeerRecordSchema(pydantic.BaseModel):
     dp_syncs: conint(strict=True, ge=0) | None = None
     skipped_steps: conint(strict=True, ge=0) | None = None  # optimizer steps skipped for a non-finite gradient
     reference: constr(strict=True, min_length=1, max_length=64) | None = None  # digest of its frozen reference
+    # mask.reference_check: the largest relative difference of a caller's sampled reference from its own, and the
+    # microbatches it refused for one above mask.reference_tolerance
+    ref_mismatch: confloat(strict=True, ge=0.0, le=1e12) | None = None
+    ref_refused: conint(strict=True, ge=0) | None = None
     shard: conint(strict=True, ge=0, le=65535) | None = None  # a driver's data shard (of dp.replicas)
     movable: StrictBool | None = None  # it moves into a stage left without peers (rebalancing)
     busy: StrictBool | None = None  # a microbatch, an optimizer step or a DP sync in progress when announced
@@ -116,6 +120,8 @@ class PeerRecord:
     dp_syncs: int = 0
     skipped_steps: int = 0  # optimizer steps this stage replica skipped: its gradient was not finite
     reference: str | None = None  # reference coding: the digest of the frozen pretrained model (None: not coded)
+    ref_mismatch: float = 0.0  # the largest relative difference of a caller's sampled reference from its own
+    ref_refused: int = 0  # microbatches refused for a reference that differs by more than mask.reference_tolerance
     shard: int | None = None
     movable: bool = False
     busy: bool = False
@@ -130,6 +136,7 @@ class PeerRecord:
         d.pop("expiration")
         d["throughput"] = float(d["throughput"])
         d["capacity"] = float(d["capacity"])
+        d["ref_mismatch"] = float(d["ref_mismatch"])
         d["updated"] = float(d["updated"] or time.time())
         if d["loss"] is not None:
             d["loss"] = float(d["loss"])

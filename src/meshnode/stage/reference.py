@@ -24,7 +24,10 @@ by both ends (they would compute the same numbers); the counters say what was co
 
 Both ends must compute the same reference to float rounding: same weights (the pretrained ones, never trained),
 same autocast. In the swarm :attr:`ReferenceModel.digest` names both, and the next stage refuses a caller whose
-digest is not its own; a numeric difference of the same computation (another device's kernels) is not detected.
+digest is not its own. A numeric difference of the same computation (another device's kernels) is what the
+reference check measures (``mask.reference_check``): every coded payload carries a few entries of its sender's
+reference (:func:`with_check`), and the receiver refuses it when they differ from its own by more than
+``mask.reference_tolerance`` (``StageWorker._compare_reference``).
 
 **The residual map** (``mask.reference_map_rank`` k > 0, forward only). Part of what fine-tuning changes at a
 boundary is a function of the pretrained value itself: ``scripts/probe_residual_predictor.py`` found a linear map
@@ -73,6 +76,7 @@ import torch
 from torch import Tensor
 
 from ..compression import (
+    REF_CHECK_TENSOR,
     REF_CODE_TENSORS,
     REF_FIT_STEP_TENSORS,
     REF_MAP_META,
@@ -681,10 +685,59 @@ def _bits_settings(fits: ResidualMap | MapStore) -> dict:
     return {"fit_bits": fits.fit_bits, **({"basis_bits": fits.basis_bits} if fits.basis_bits != fits.fit_bits else {})}
 
 
+# ---------------------------------------------------------------------------------------------
+# the reference check (``mask.reference_check``): both ends compute the pretrained model alike
+
+
+CHECK_TENSOR = REF_CHECK_TENSOR  # (n <= MAX_REF_CHECK,) float32
+
+
+def reference_sample(ref: Tensor, n: int) -> Tensor:
+    """``n`` entries of ``ref``, evenly spaced over its flattened elements (the same positions on every device, from
+    the shape alone): float32 ``(n,)`` on the CPU."""
+    flat = ref.detach().reshape(-1)
+    idx = torch.arange(n, dtype=torch.int64) * (flat.numel() - 1) // max(n - 1, 1)
+    return flat[idx.to(flat.device)].float().cpu()
+
+
+def with_check(payload: EncodedPayload, ref: Tensor, n: int) -> EncodedPayload:
+    """``payload`` carrying ``n`` entries of the reference ``ref`` it was coded against (``n = 0``: as it is)."""
+    if n <= 0:
+        return payload
+    return dataclasses.replace(payload, tensors={**payload.tensors, CHECK_TENSOR: reference_sample(ref, n)})
+
+
+def take_check(payload: EncodedPayload, n: int) -> tuple[EncodedPayload, Tensor | None]:
+    """Split a payload into the rest and the reference entries it carries (None when ``n = 0``). Raises
+    :class:`PayloadError` when it carries none where ``n`` are due, other than ``n``, or non-finite ones."""
+    got = payload.tensors.get(CHECK_TENSOR)
+    if n <= 0:
+        if got is not None:
+            raise PayloadError("the payload carries a reference check, which this boundary does not use "
+                               "(mask.reference_check = 0)")
+        return payload, None
+    if got is None:
+        raise PayloadError(f"the payload carries no reference check (mask.reference_check = {n})")
+    if got.dim() != 1 or got.shape[0] != n or got.dtype != torch.float32 or not bool(torch.isfinite(got).all()):
+        raise PayloadError(f"a reference check must be {n} finite float32 values, got {got.dtype} "
+                           f"{list(got.shape)}")
+    tensors = {k: t for k, t in payload.tensors.items() if k != CHECK_TENSOR}
+    return dataclasses.replace(payload, tensors=tensors), got
+
+
+def reference_difference(mine: Tensor, theirs: Tensor) -> float:
+    """The relative root-mean-square difference of two samples of one reference (0 for two zero samples)."""
+    mine, theirs = mine.double(), theirs.double()
+    scale = max(float(mine.norm()), float(theirs.norm()))
+    return float((mine - theirs).norm()) / scale if scale > 0 else 0.0
+
+
 def map_bytes(hidden: int, rank: int) -> int:
     """Wire bytes of one shipped map (U and V)."""
     return 2 * hidden * rank * MAP_DTYPE.itemsize
 
 
-__all__ = ["CODE_TENSORS", "FIT_BITS", "MAP_META", "MAP_TENSORS", "MAX_MAP_SENDERS", "REFERENCE_MODES", "STEP_TENSORS",
-           "MapFit", "MapStore", "ReferenceModel", "ResidualMap", "apply_map", "map_bytes", "peer_passes", "peer_plan"]
+__all__ = ["CHECK_TENSOR", "CODE_TENSORS", "FIT_BITS", "MAP_META", "MAP_TENSORS", "MAX_MAP_SENDERS",
+           "REFERENCE_MODES", "STEP_TENSORS", "MapFit", "MapStore", "ReferenceModel", "ResidualMap", "apply_map",
+           "map_bytes", "peer_passes", "peer_plan", "reference_difference", "reference_sample", "take_check",
+           "with_check"]

@@ -52,6 +52,10 @@ from .reference import (
     ReferenceModel,
     ResidualMap,
     fits_after,
+    reference_difference,
+    reference_sample,
+    take_check,
+    with_check,
 )
 
 logger = logging.getLogger(__name__)
@@ -135,6 +139,10 @@ class StageWorker:
         # whether forward() ships a new map (backward() a new gradient code) with its next payload (the mesh: one
         # receiver); a swarm host clears it and attaches them itself, per peer
         self.ship_maps = True
+        # ``mask.reference_check``: the largest relative difference between a sender's sampled reference and this
+        # stage's own (both directions), and the microbatches refused for one above ``mask.reference_tolerance``
+        self.ref_mismatch = 0.0
+        self.ref_refused = 0
 
     # ------------------------------------------------------------------------------------------
     # helpers
@@ -191,6 +199,34 @@ class StageWorker:
                         ) -> tuple[EncodedPayload, MapFit | None]:
         """The codec's part of an incoming gradient payload and the transform code it names (None: none)."""
         return self._take_fit(payload, ref, "gcode_in", "gradient code")
+
+    def _take_check(self, payload: EncodedPayload, ref: ReferenceModel | None) -> tuple[EncodedPayload, Tensor | None]:
+        """The rest of an incoming payload and the sender's sampled reference it carries (``mask.reference_check``;
+        None: not reference-coded, or checks off)."""
+        try:
+            return take_check(payload, self.cfg.mask.reference_check if ref is not None else 0)
+        except PayloadError as exc:
+            raise StageError(f"stage {self.index}: {exc}") from None
+
+    def _compare_reference(self, theirs: Tensor | None, mine: Tensor, what: str, mb: MicrobatchId) -> None:
+        """Refuse the microbatch when the sender's sampled reference ``theirs`` differs from this stage's ``mine`` by
+        more than ``mask.reference_tolerance`` (they decode to different tensors); keep the largest difference."""
+        if theirs is None:
+            return
+        diff = reference_difference(reference_sample(mine, theirs.shape[0]), theirs)
+        if not math.isfinite(diff):  # this stage's own reference overflowed: nothing to compare
+            diff = math.inf
+        self.ref_mismatch = max(self.ref_mismatch, diff)
+        tol = self.cfg.mask.reference_tolerance
+        if diff > tol:
+            self.ref_refused += 1
+            msg = (f"stage {self.index}: the {what} reference of microbatch {mb} differs from its sender's by "
+                   f"{diff:.3g} (relative, over {theirs.shape[0]} sampled entries) > mask.reference_tolerance "
+                   f"{tol:g}: the two peers compute the pretrained model differently (another device's kernels or "
+                   "library), and the payload would decode to another tensor than was sent; microbatch refused")
+            if self.ref_refused & (self.ref_refused - 1) == 0:  # the 1st, 2nd, 4th, 8th ... time
+                logger.warning("%s (%d so far)", msg, self.ref_refused)
+            raise StageError(msg)
 
     def _take_fit(self, payload: EncodedPayload, ref: ReferenceModel | None, store: str, what: str
                   ) -> tuple[EncodedPayload, MapFit | None]:
@@ -365,6 +401,7 @@ class StageWorker:
         else:
             if not isinstance(inputs, EncodedPayload):
                 raise StageError(f"stage {self.index} expects an encoded payload")
+            inputs, check = self._take_check(inputs, ref)
             inputs, fit = self._take_map(inputs, ref)
             ctx_in = BoundaryContext(key=self._mask_key(mb, self.index - 1),
                                      transform=fit.transform if fit is not None else None)
@@ -377,6 +414,7 @@ class StageWorker:
                     raise StageError(f"stage {self.index}: reference coding needs the microbatch's token ids "
                                      f"{tuple(x.shape[:2])}, got {None if ids is None else tuple(ids.shape)}")
                 h_ref = ref.activation(self._ref_key(mb), ids, self.index - 1)
+                self._compare_reference(check, h_ref, "activation", mb)
                 x = x.float() + h_ref
                 if fit is not None:
                     x = x + fit.predict(h_ref)
@@ -418,6 +456,7 @@ class StageWorker:
             if maps is not None:
                 maps.observe(h_ref, resid)
                 payload = maps.attach(payload, None if self.ship_maps else False)
+            payload = with_check(payload, h_ref, self.cfg.mask.reference_check)
         self.counter.add(self._axis("pp_fwd"), payload_bytes(payload))
         self.in_flight[mb] = _InFlight(x if not self.is_first else None, out, ctx_out, ctx_in, tokens, ids, sent)
         return payload
@@ -435,6 +474,7 @@ class StageWorker:
         else:
             if grad is None:
                 raise StageError(f"stage {self.index}: backward needs a gradient payload")
+            grad, check = self._take_check(grad, ref)
             grad, gfit = self._take_grad_code(grad, ref)
             # the gradient's own transform (or none), never the forward's that the same context carried
             ctx = dataclasses.replace(state.ctx_out, transform=gfit.transform if gfit is not None else None)
@@ -447,7 +487,9 @@ class StageWorker:
                     f"stage {self.index}: gradient shape {tuple(g.shape)} != {tuple(state.outputs.shape)}"
                 )
             if ref is not None:
-                g = g.float() + ref.input_grad(self._ref_key(mb), state.ids, self.index, state.sent, scale)
+                g_ref = ref.input_grad(self._ref_key(mb), state.ids, self.index, state.sent, scale)
+                self._compare_reference(check, g_ref, "gradient", mb)
+                g = g.float() + g_ref
             if self.map_out is not None and codec is not self.dense_codec:
                 self.map_out.observe_grad(g)  # the Fisher metric of its code (mask.reference_code_metric)
             if self.cfg.mask.reference_code_grad == "project" and state.ctx_out.transform is not None:
@@ -463,10 +505,10 @@ class StageWorker:
         if self.is_first:
             return None
         g_in = state.inputs.grad
-        gcode = None
+        gcode = g_ref = None
         if ref is not None:
-            g_in = g_in.float() - ref.input_grad(self._ref_key(mb), state.ids, self.index - 1,
-                                                 state.inputs.detach(), scale)
+            g_ref = ref.input_grad(self._ref_key(mb), state.ids, self.index - 1, state.inputs.detach(), scale)
+            g_in = g_in.float() - g_ref
             gcode = self._grad_code(g_in.shape[-1])
         # the gradient's own transform code (or none): never the forward's, which the same exchange's context holds
         ctx = dataclasses.replace(state.ctx_in, transform=gcode.transform if gcode is not None else None)
@@ -474,6 +516,8 @@ class StageWorker:
         if gcode is not None:
             gcode.observe(None, g_in)
             payload = gcode.attach(payload, None if self.ship_maps else False)
+        if g_ref is not None:
+            payload = with_check(payload, g_ref, self.cfg.mask.reference_check)
         self.counter.add(self._axis("pp_bwd"), payload_bytes(payload))
         return payload
 
