@@ -58,6 +58,8 @@ from .swarm import ChainError, SwarmClient, SwarmError, start_dht
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_NAME = "stage{stage}.pt"
+# a periodic checkpoint waits up to this long for a moment with nothing in flight, to hold the step taken so far
+PERIODIC_IDLE_WAIT = 10.0
 
 
 @dataclass(kw_only=True)
@@ -578,19 +580,28 @@ class SwarmNode:
             logger.warning("leaving stage %d with %d microbatches of its step taken and not applied: their gradient "
                            "is lost", self.stage, self.host.pending_microbatches)
 
-    async def save_checkpoint(self, directory: Path, partial: bool = False) -> Path | None:
+    async def save_checkpoint(self, directory: Path, partial: bool = False, idle_wait: float | None = None
+                              ) -> Path | None:
         """Write the stage's state (between steps) to ``directory/stage{N}.pt`` and its counters to ``.json``, each
         through a temporary file and a rename, so a crash mid-write leaves the previous checkpoint whole. Returns
         None when a checkpoint of a later step was written meanwhile (a periodic save that finished after the stop's
-        save must not replace it)."""
+        save must not replace it, or a periodic one found a DP round pending). ``partial``: with the step taken so far
+        (a stop's save, the gate closed); ``idle_wait`` (a periodic save): with it if the replica is quiet within
+        that many seconds."""
         host, stage = self.host, self.stage
-        blob = await host.state_blob(partial)
+        if idle_wait is not None:
+            got = await host.checkpoint_blob(idle_wait)
+            if got is None:  # a DP round pending: the next period tries again
+                return None
+            blob, taken = got
+        else:
+            blob = await host.state_blob(partial)
+            taken = host.pending_microbatches if partial else 0
         self._ckpt_seq += 1
         seq = self._ckpt_seq
         meta = {
             "run_id": self.run_id, "stage": stage, "opt_step": host.opt_step, "driver_step": self.driver_step,
-            "driver_tokens": self.driver_tokens, "bytes": self.counter.snapshot(),
-            "partial_microbatches": host.pending_microbatches if partial else 0,
+            "driver_tokens": self.driver_tokens, "bytes": self.counter.snapshot(), "partial_microbatches": taken,
         }
         path = Path(directory) / CHECKPOINT_NAME.format(stage=stage)
         if not await asyncio.to_thread(self._write_checkpoint, path, blob, meta, seq):
@@ -635,7 +646,8 @@ class SwarmNode:
                 continue
             try:
                 step = host.opt_step
-                if await self.save_checkpoint(Path(self.opts.checkpoint_dir)) is not None:
+                idle_wait = min(PERIODIC_IDLE_WAIT, self.opts.checkpoint_every)
+                if await self.save_checkpoint(Path(self.opts.checkpoint_dir), idle_wait=idle_wait) is not None:
                     saved = step
             except Exception as exc:  # a full disk must not end the peer: the next period tries again
                 logger.warning("periodic checkpoint of stage %d failed: %r", self.stage, exc)

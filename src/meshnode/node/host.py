@@ -616,6 +616,27 @@ class StageHost:
             await self._cond.wait_for(lambda: not self._stepping and not (partial and self._active))
             return await self.run(self._state_blob, partial)
 
+    async def checkpoint_blob(self, idle_wait: float) -> tuple[bytes, int] | None:
+        """A periodic checkpoint's state (the gate stays open): with the step taken so far if the replica is quiet
+        (nothing in flight, no step due or running, no overlapped DP round pending) within ``idle_wait`` seconds,
+        else between steps without it. Returns the blob and the microbatches of the partial step it holds; None when
+        a DP round is pending then (its error feedback is committed before its update reaches the weights: a state
+        taken in between would lose that update on a resume). Taken under the gate's lock, so no microbatch enters
+        (:meth:`_enter` takes the lock) between the check and the copy."""
+        async with self._cond:
+            try:
+                await asyncio.wait_for(self._cond.wait_for(lambda: self._quiet() and not self._dp_busy()), idle_wait)
+                quiet = True
+            except asyncio.TimeoutError:  # the condition's wait takes the lock back before this is raised
+                quiet = False
+                await self._cond.wait_for(lambda: not self._stepping)
+                if self._dp_busy():
+                    return None
+            return await self.run(self._state_blob, quiet), self._done if quiet else 0
+
+    def _dp_busy(self) -> bool:
+        return self.dp is not None and bool(self.dp.pending or self.dp.ready)
+
     async def state_stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Weights + optimizer + DP state (torch.save bytes, loaded with ``weights_only=True``) in chunks."""
         if request.get("run") != self.run_id:
