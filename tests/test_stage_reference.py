@@ -301,8 +301,9 @@ def _skewed(ref: ReferenceModel, stage: int, factor: float) -> ReferenceModel:
 def test_peers_that_compute_the_reference_differently_are_told_apart(tiny_cfg, cache_dir):
     """Swarm hosts of a 2-stage run through the wire's parsing, no network. Each peer holds its own copy of the
     frozen model; one whose numbers differ by 0.1 % (as another device's kernels might) is served and the
-    difference measured; one 5 % off is refused with the tolerance named, and keeps nothing of the microbatch; a
-    caller whose reference gradient differs refuses the gradient it is sent before it reaches its weights."""
+    difference measured; one 30 % off is refused with the tolerance named (the default 0.1), and keeps nothing of
+    the microbatch; a caller whose reference gradient differs as much refuses the gradient it is sent before it
+    reaches its weights."""
     import asyncio
     import copy
 
@@ -327,8 +328,8 @@ def test_peers_that_compute_the_reference_differently_are_told_apart(tiny_cfg, c
             _skewed(w.reference, *skew)
         return StageHost(w, cfg, limits, "run", call_next=call_next if stage == 0 else None)
 
-    sender, skewed_sender = host(0), host(0, skew=(1, 1.5))
-    peers.update(same=host(1), near=host(1, skew=(0, 1.001)), far=host(1, skew=(0, 1.05)))
+    sender, skewed_sender = host(0), host(0, skew=(1, 3.0))
+    peers.update(same=host(1), near=host(1, skew=(0, 1.001)), far=host(1, skew=(0, 1.3)))
     assert len({h.reference_digest for h in (sender, skewed_sender, *peers.values())}) == 1  # digests cannot tell
     ids = torch.randint(0, cfg.model.tiny_vocab, (cfg.train.batch_size, cfg.data.seq_len))
 
@@ -349,13 +350,13 @@ def test_peers_that_compute_the_reference_differently_are_told_apart(tiny_cfg, c
             await sender.process(driver="d", step=2, mb=0, attempt=1, inputs=ids, labels=ids)
         assert "activation reference" in str(refused.value)
         far = peers["far"].worker
-        assert far.ref_refused == 1 and 0.03 < far.ref_mismatch < 0.07
+        assert far.ref_refused == 1 and 0.2 < far.ref_mismatch < 0.26  # 0.3 / 1.3
         assert not far.in_flight and not grads(peers["far"]) and peers["far"].tokens == 0
         target[0] = "same"  # the gradient's way: the caller computes g_ref with its own frozen stage 1
         with pytest.raises(StageError, match="gradient reference") as refused:
             await skewed_sender.process(driver="e", step=0, mb=0, attempt=1, inputs=ids, labels=ids)
         assert "mask.reference_tolerance" in str(refused.value)
-        assert skewed_sender.worker.ref_refused == 1 and skewed_sender.worker.ref_mismatch > 0.01
+        assert skewed_sender.worker.ref_refused == 1 and skewed_sender.worker.ref_mismatch > 0.1
         assert not skewed_sender.worker.in_flight and not grads(skewed_sender) and skewed_sender.tokens == 0
 
     try:

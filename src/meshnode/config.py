@@ -160,8 +160,10 @@ class MaskConfig:
     # must compute the pretrained model alike, and another device's kernels may not (meshnode.stage.reference)
     reference_check: int = 8
     # the receiver refuses a microbatch whose sampled reference differs from its own by more than this (relative
-    # root-mean-square difference); the largest difference seen is in the peer's record and ``meshnode status``
-    reference_tolerance: float = 0.01
+    # root-mean-square difference); the largest difference seen is in the peer's record and ``meshnode status``.
+    # bfloat16 against float32 is 0.4-0.7 % on the activation, 1.9-2.6 % on the gradient for SmolLM2-135M, and costs
+    # the loss about 0.001 (scripts/probe_reference_mismatch.py): 0.1 refuses what is far beyond a kernel's rounding
+    reference_tolerance: float = 0.1
     topk_ratio: float = 0.1  # fraction of channels kept by the top-k baseline
     wire_dtype: str = "bfloat16"  # bfloat16 | float16 | float32
     version: int = 0
