@@ -358,8 +358,10 @@ def test_a_stage_runs_what_the_wire_delivers_on_its_own_device(tiny_cfg, cache_d
 
     direct, through = run(False), run(True)
     # the activation sent on carries the most tensors a payload may: codes, scales, the largest scale, channel means,
-    # the map's two matrices, the code's basis, scales and bits, and the three matrices' steps
-    assert max(len(t) for t in through[3]) == 12
+    # the map's two matrices, the code's basis, scales and bits, the three matrices' steps and the sampled reference
+    from meshnode.protocol.messages import MAX_TENSORS
+
+    assert max(len(t) for t in through[3]) == 13 == MAX_TENSORS
     assert through[0] == pytest.approx(direct[0], rel=1e-5)
     for a, b in zip(through[1], direct[1]):
         assert set(a) == set(b)
