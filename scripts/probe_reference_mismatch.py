@@ -3,8 +3,9 @@
 Reference coding (``mask.reference``) has the receiver add *its own* reference to what it decodes; the sender coded
 against *its* reference. Same weights and autocast (the digest checks both) still leave the numbers: another GPU
 type's kernels or another BLAS round differently. The reference check (``mask.reference_check``) measures that
-difference from 8 sampled entries per payload and refuses a microbatch above ``mask.reference_tolerance`` (default
-0.01). This probe puts numbers on what such a difference is, with what this CPU can compute two ways:
+difference from 8 sampled entries per payload and refuses a microbatch above ``mask.reference_tolerance`` (0.1
+since this probe; first 0.01). This probe puts numbers on what such a difference is, with what this CPU can
+compute two ways:
 
 - ``threads``: float32 with 1 thread against 2 (another split of the same reductions),
 - ``bf16``: bfloat16 autocast against float32 (what a peer computing in bf16 would be off by from a float32 one; the

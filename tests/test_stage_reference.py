@@ -182,8 +182,8 @@ def test_reference_coding_at_the_pretrained_weights_is_exact(tiny_cfg, cache_dir
     ref = _first_step(tiny_cfg(*EXACT, "mask.ratio=0.95", f"mask.reference={mode}"), cache_dir)
     assert abs(ref.losses[0] - dense.losses[0]) < 1e-5
     assert abs(m95.losses[0] - dense.losses[0]) > 1e-2  # without the reference the mask changes the pass
-    # the same bytes, and each payload's sampled reference (mask.reference_check, float32)
-    checks = (3 - 1) * ref.cfg.train.microbatches * 4 * ref.cfg.mask.reference_check
+    # the same bytes, and each activation's sampled reference (mask.reference_check, float32; the gradient's too)
+    checks = (3 - 1) * ref.cfg.train.microbatches * 4 * ref.cfg.mask.reference_check * (2 if mode == "both" else 1)
     assert checks > 0
     assert ref.counter.snapshot()["pp_fwd"] == m95.counter.snapshot()["pp_fwd"] + checks
     for s in range(3):
@@ -254,12 +254,12 @@ def test_a_reference_check_is_sampled_alike_and_a_malformed_one_refused():
     assert reference_difference(s, s) == 0.0 and reference_difference(0 * s, 0 * s) == 0.0
     assert reference_difference(s * 1.01, s) == pytest.approx(0.01 / 1.01, rel=1e-5)
     payload = EncodedPayload("rotq", "activation", (2, 3, 5), "float32", {"codes": torch.zeros(2, 3, 1)})
-    checked = with_check(payload, ref, 4)
-    assert with_check(payload, ref, 0) is payload
+    checked = with_check(payload, s)
+    assert with_check(payload, None) is payload
     rest, got = take_check(checked, 4)
     assert set(rest.tensors) == {"codes"} and torch.equal(got, s)
     assert take_check(payload, 0) == (payload, None)
-    bad = {"none": payload, "short": with_check(payload, ref, 3),
+    bad = {"none": payload, "short": with_check(payload, s[:3]),
            "nan": EncodedPayload("rotq", "activation", (2, 3, 5), "float32",
                                  {**payload.tensors, CHECK_TENSOR: torch.full((4,), float("nan"))}),
            "half": EncodedPayload("rotq", "activation", (2, 3, 5), "float32",
@@ -272,21 +272,28 @@ def test_a_reference_check_is_sampled_alike_and_a_malformed_one_refused():
         take_check(checked, 0)
 
 
-def test_the_check_travels_with_every_coded_payload_and_changes_no_number(tiny_cfg, cache_dir):
+@pytest.mark.parametrize("mode", ["forward", "both"])
+def test_the_check_travels_with_every_coded_activation_and_changes_no_number(tiny_cfg, cache_dir, mode):
     """Two mesh runs, with and without checks: the same losses, bit for bit (both ends of a mesh share one
-    reference, so every difference is 0), and 4 bytes a sampled entry more on each payload, both ways."""
-    base = (*EXACT, "mask.codec=rotq", "mask.bits=1", "mask.reference=both", "train.steps=2")
+    reference, so every difference is 0), 4 bytes a sampled entry more on each activation (twice as many with
+    "both": the reference gradient's too), none on the gradients, and no frozen pass more (the reference gradient
+    taken early for the check is the one backward() adds)."""
+    base = (*EXACT, "mask.codec=rotq", "mask.bits=1", f"mask.reference={mode}", "train.steps=2")
     on, off = (MeshTrainer(tiny_cfg(*base, f"mask.reference_check={n}"), cache_dir) for n in (8, 0))
     for t in (on, off):
         t.train_step()
         t.train_step()
     assert on.losses == off.losses
     payloads = 2 * (3 - 1) * on.cfg.train.microbatches  # two steps, two boundaries
+    ways = 2 if mode == "both" else 1
     got = {axis: on.counter.snapshot()[axis] - off.counter.snapshot()[axis] for axis in ("pp_fwd", "pp_bwd")}
-    assert got == {"pp_fwd": payloads * 8 * 4, "pp_bwd": payloads * 8 * 4}
+    assert got == {"pp_fwd": payloads * ways * 8 * 4, "pp_bwd": 0}
+    assert [w.ref_checked for w in on.workers[0]] == [0, 2 * ways, 2 * ways]  # compared at both receivers
     assert all(w.ref_mismatch == 0.0 and w.ref_refused == 0 for w in on.workers[0])
+    ref_on, ref_off = on.workers[0][0].reference, off.workers[0][0].reference
+    assert (ref_on.stage_forwards, ref_on.stage_backwards) == (ref_off.stage_forwards, ref_off.stage_backwards)
     with pytest.raises(ConfigError, match="reference_check"):
-        tiny_cfg(*base, "mask.reference_check=65")
+        tiny_cfg(*base, "mask.reference_check=33")
     with pytest.raises(ConfigError, match="reference_tolerance"):
         tiny_cfg(*base, "mask.reference_tolerance=0")
 
@@ -302,8 +309,8 @@ def test_peers_that_compute_the_reference_differently_are_told_apart(tiny_cfg, c
     """Swarm hosts of a 2-stage run through the wire's parsing, no network. Each peer holds its own copy of the
     frozen model; one whose numbers differ by 0.1 % (as another device's kernels might) is served and the
     difference measured; one 30 % off is refused with the tolerance named (the default 0.1), and keeps nothing of
-    the microbatch; a caller whose reference gradient differs as much refuses the gradient it is sent before it
-    reaches its weights."""
+    the microbatch; a caller whose reference gradient differs as much is refused by its callee before either
+    runs anything of the microbatch."""
     import asyncio
     import copy
 
@@ -338,12 +345,11 @@ def test_peers_that_compute_the_reference_differently_are_told_apart(tiny_cfg, c
 
     async def scenario():
         await sender.process(driver="d", step=0, mb=0, attempt=1, inputs=ids, labels=ids)
-        assert peers["same"].worker.ref_mismatch == 0.0 and sender.worker.ref_mismatch == 0.0  # bit-identical
+        same = peers["same"].worker  # both ways compared (activation, gradient), bit-identical
+        assert same.ref_checked == 2 and same.ref_mismatch == 0.0 and sender.worker.ref_checked == 0
         target[0] = "near"
         await sender.process(driver="d", step=1, mb=0, attempt=1, inputs=ids, labels=ids)
         assert 5e-4 < peers["near"].worker.ref_mismatch < 2e-3  # measured, under the tolerance: served
-        # and its gradient reference, taken at an input its own reference shifted, differs a little too
-        assert 0.0 < sender.worker.ref_mismatch < 1e-2 and sender.worker.ref_refused == 0
         assert peers["near"].tokens == ids.numel() and peers["near"].worker.ref_refused == 0
         target[0] = "far"
         with pytest.raises(Exception, match="mask.reference_tolerance") as refused:
@@ -352,11 +358,18 @@ def test_peers_that_compute_the_reference_differently_are_told_apart(tiny_cfg, c
         far = peers["far"].worker
         assert far.ref_refused == 1 and 0.2 < far.ref_mismatch < 0.26  # 0.3 / 1.3
         assert not far.in_flight and not grads(peers["far"]) and peers["far"].tokens == 0
-        target[0] = "same"  # the gradient's way: the caller computes g_ref with its own frozen stage 1
-        with pytest.raises(StageError, match="gradient reference") as refused:
+        # the gradient's way: the caller takes g_ref with its own frozen stage 1 and sends its sample with the
+        # activation, so the callee refuses before it runs anything (it would otherwise train on a microbatch whose
+        # gradient the caller then could not use)
+        target[0] = "same"
+        same = peers["same"]
+        tokens, checked = same.tokens, same.worker.ref_checked
+        assert same.worker.ref_refused == 0
+        with pytest.raises(Exception, match="gradient reference") as refused:
             await skewed_sender.process(driver="e", step=0, mb=0, attempt=1, inputs=ids, labels=ids)
         assert "mask.reference_tolerance" in str(refused.value)
-        assert skewed_sender.worker.ref_refused == 1 and skewed_sender.worker.ref_mismatch > 0.1
+        assert same.worker.ref_refused == 1 and same.worker.ref_mismatch > 0.1
+        assert same.tokens == tokens and same.worker.ref_checked == checked + 2 and not same.worker.in_flight
         assert not skewed_sender.worker.in_flight and not grads(skewed_sender) and skewed_sender.tokens == 0
 
     try:

@@ -155,9 +155,10 @@ class MaskConfig:
     # receiver's gradient as it is (straight through the code), "project" through the code's linear part (the
     # directions it sends): the sender's weights are not pushed along directions the next stage never sees
     reference_code_grad: str = "straight"
-    # with a reference: every coded payload carries this many entries of the reference its sender coded against
-    # (float32, evenly spaced over the tensor; 0 = none), and the receiver compares them with its own: both ends
-    # must compute the pretrained model alike, and another device's kernels may not (meshnode.stage.reference)
+    # with a reference: every coded activation carries this many entries of the reference its sender coded against
+    # (float32, evenly spaced over the tensor; 0 = none), and with ``both`` as many of the reference gradient its
+    # sender will add to the gradient it gets back; the receiver compares them with its own before anything goes
+    # on: both ends must compute the pretrained model alike, and another device's kernels may not (at most 32)
     reference_check: int = 8
     # the receiver refuses a microbatch whose sampled reference differs from its own by more than this (relative
     # root-mean-square difference); the largest difference seen is in the peer's record and ``meshnode status``.
@@ -463,9 +464,9 @@ def _cross_check(cfg: RunConfig) -> None:
     if cfg.mask.reference_code_grad != "straight" and not cfg.mask.reference_code_bits:
         raise ConfigError("mask.reference_code_grad sets the gradient through the activation's transform code: it "
                           "needs mask.reference_code_bits")
-    if cfg.mask.reference_check > 64:  # meshnode.compression.MAX_REF_CHECK, what the wire admits
+    if cfg.mask.reference_check > 32:  # twice that with ``both``: MAX_REF_CHECK, what the wire admits
         raise ConfigError(f"mask.reference_check: {cfg.mask.reference_check} sampled entries of the reference per "
-                          "payload; at most 64 (8 tell a numeric mismatch apart from none)")
+                          "payload; at most 32 (8 tell a numeric mismatch apart from none)")
     if cfg.anchor.enabled and cfg.anchor.snapshot == "dp" and not cfg.dp.enabled:
         raise ConfigError("anchor.snapshot: 'dp' needs dp.enabled = true (the anchor follows the DP all-reduce)")
     if cfg.dp.matchmaking_time >= cfg.dp.round_timeout:

@@ -632,7 +632,9 @@ class StageHost:
                 await self._cond.wait_for(lambda: not self._stepping)
                 if self._dp_busy():
                     return None
-            return await self.run(self._state_blob, quiet), self._done if quiet else 0
+            # (a call cancelled during its backward may have left a gradient with no microbatch counted: not a step)
+            partial = quiet and self._done > 0
+            return await self.run(self._state_blob, partial), self._done if partial else 0
 
     def _dp_busy(self) -> bool:
         return self.dp is not None and bool(self.dp.pending or self.dp.ready)

@@ -25,9 +25,9 @@ by both ends (they would compute the same numbers); the counters say what was co
 Both ends must compute the same reference to float rounding: same weights (the pretrained ones, never trained),
 same autocast. In the swarm :attr:`ReferenceModel.digest` names both, and the next stage refuses a caller whose
 digest is not its own. A numeric difference of the same computation (another device's kernels) is what the
-reference check measures (``mask.reference_check``): every coded payload carries a few entries of its sender's
-reference (:func:`with_check`), and the receiver refuses it when they differ from its own by more than
-``mask.reference_tolerance`` (``StageWorker._compare_reference``).
+reference check measures (``mask.reference_check``): every coded activation carries a few entries of its sender's
+reference (:func:`with_check`; with ``both`` of its reference gradient too), and the receiver refuses it when they
+differ from its own by more than ``mask.reference_tolerance`` (``StageWorker._compare_reference``).
 
 **The residual map** (``mask.reference_map_rank`` k > 0, forward only). Part of what fine-tuning changes at a
 boundary is a function of the pretrained value itself: ``scripts/probe_residual_predictor.py`` found a linear map
@@ -700,11 +700,12 @@ def reference_sample(ref: Tensor, n: int) -> Tensor:
     return flat[idx.to(flat.device)].float().cpu()
 
 
-def with_check(payload: EncodedPayload, ref: Tensor, n: int) -> EncodedPayload:
-    """``payload`` carrying ``n`` entries of the reference ``ref`` it was coded against (``n = 0``: as it is)."""
-    if n <= 0:
+def with_check(payload: EncodedPayload, sample: Tensor | None) -> EncodedPayload:
+    """``payload`` carrying ``sample``, entries of the reference it was coded against (:func:`reference_sample`;
+    None: as it is)."""
+    if sample is None:
         return payload
-    return dataclasses.replace(payload, tensors={**payload.tensors, CHECK_TENSOR: reference_sample(ref, n)})
+    return dataclasses.replace(payload, tensors={**payload.tensors, CHECK_TENSOR: sample.float().cpu()})
 
 
 def take_check(payload: EncodedPayload, n: int) -> tuple[EncodedPayload, Tensor | None]:

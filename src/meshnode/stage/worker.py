@@ -143,6 +143,7 @@ class StageWorker:
         # stage's own (both directions), and the microbatches refused for one above ``mask.reference_tolerance``
         self.ref_mismatch = 0.0
         self.ref_refused = 0
+        self.ref_checked = 0  # samples compared
 
     # ------------------------------------------------------------------------------------------
     # helpers
@@ -200,11 +201,19 @@ class StageWorker:
         """The codec's part of an incoming gradient payload and the transform code it names (None: none)."""
         return self._take_fit(payload, ref, "gcode_in", "gradient code")
 
-    def _take_check(self, payload: EncodedPayload, ref: ReferenceModel | None) -> tuple[EncodedPayload, Tensor | None]:
-        """The rest of an incoming payload and the sender's sampled reference it carries (``mask.reference_check``;
-        None: not reference-coded, or checks off)."""
+    def _check_entries(self, ref: ReferenceModel | None, kind: str) -> int:
+        """The sampled reference entries a payload of ``kind`` carries (``mask.reference_check``): an activation's,
+        and with ``mask.reference = both`` as many of the reference gradient its sender will add to the gradient it
+        gets back (so the receiver checks both ways before anything goes downstream); a gradient payload none."""
+        if ref is None or kind != "activation":
+            return 0
+        return self.cfg.mask.reference_check * (2 if self.cfg.mask.reference == "both" else 1)
+
+    def _take_check(self, payload: EncodedPayload, ref: ReferenceModel | None, kind: str
+                    ) -> tuple[EncodedPayload, Tensor | None]:
+        """The rest of an incoming payload and the sender's sampled reference it carries (None: none due)."""
         try:
-            return take_check(payload, self.cfg.mask.reference_check if ref is not None else 0)
+            return take_check(payload, self._check_entries(ref, kind))
         except PayloadError as exc:
             raise StageError(f"stage {self.index}: {exc}") from None
 
@@ -213,9 +222,12 @@ class StageWorker:
         more than ``mask.reference_tolerance`` (they decode to different tensors); keep the largest difference."""
         if theirs is None:
             return
-        diff = reference_difference(reference_sample(mine, theirs.shape[0]), theirs)
-        if not math.isfinite(diff):  # this stage's own reference overflowed: nothing to compare
-            diff = math.inf
+        own = reference_sample(mine, theirs.shape[0])
+        if not bool(torch.isfinite(own).all()):
+            raise StageError(f"stage {self.index}: its own {what} reference of microbatch {mb} is not finite (an "
+                             "overflow in the frozen model); microbatch refused")
+        diff = reference_difference(own, theirs)
+        self.ref_checked += 1
         self.ref_mismatch = max(self.ref_mismatch, diff)
         tol = self.cfg.mask.reference_tolerance
         if diff > tol:
@@ -401,7 +413,7 @@ class StageWorker:
         else:
             if not isinstance(inputs, EncodedPayload):
                 raise StageError(f"stage {self.index} expects an encoded payload")
-            inputs, check = self._take_check(inputs, ref)
+            inputs, check = self._take_check(inputs, ref, "activation")
             inputs, fit = self._take_map(inputs, ref)
             ctx_in = BoundaryContext(key=self._mask_key(mb, self.index - 1),
                                      transform=fit.transform if fit is not None else None)
@@ -414,7 +426,8 @@ class StageWorker:
                     raise StageError(f"stage {self.index}: reference coding needs the microbatch's token ids "
                                      f"{tuple(x.shape[:2])}, got {None if ids is None else tuple(ids.shape)}")
                 h_ref = ref.activation(self._ref_key(mb), ids, self.index - 1)
-                self._compare_reference(check, h_ref, "activation", mb)
+                n = self.cfg.mask.reference_check
+                self._compare_reference(None if check is None else check[:n], h_ref, "activation", mb)
                 x = x.float() + h_ref
                 if fit is not None:
                     x = x + fit.predict(h_ref)
@@ -422,6 +435,11 @@ class StageWorker:
             if not bool(torch.isfinite(x).all()):  # every payload tensor is finite: this is an overflow in decoding
                 raise StageError(f"stage {self.index}: the decoded input is not finite (a payload or residual map "
                                  "whose finite values overflow); microbatch refused")
+            if check is not None and check.shape[0] > self.cfg.mask.reference_check:  # mask.reference = both
+                # the reference gradient both ends will take at this input (backward() finds it computed)
+                g_ref = ref.input_grad(self._ref_key(mb), ids, self.index - 1, x.detach(),
+                                       1.0 / self.cfg.train.microbatches)
+                self._compare_reference(check[self.cfg.mask.reference_check:], g_ref, "gradient", mb)
             x = x.requires_grad_(True)
             tokens = x.shape[0] * x.shape[1]
         with self.autocast():
@@ -456,7 +474,13 @@ class StageWorker:
             if maps is not None:
                 maps.observe(h_ref, resid)
                 payload = maps.attach(payload, None if self.ship_maps else False)
-            payload = with_check(payload, h_ref, self.cfg.mask.reference_check)
+            if self._check_entries(ref, "activation"):
+                refs = [h_ref]
+                if sent is not None:  # the reference gradient it will add to what comes back (backward() reuses it)
+                    refs.append(ref.input_grad(self._ref_key(mb), ids, self.index, sent,
+                                               1.0 / self.cfg.train.microbatches))
+                payload = with_check(payload, torch.cat([reference_sample(r, self.cfg.mask.reference_check)
+                                                         for r in refs]))
         self.counter.add(self._axis("pp_fwd"), payload_bytes(payload))
         self.in_flight[mb] = _InFlight(x if not self.is_first else None, out, ctx_out, ctx_in, tokens, ids, sent)
         return payload
@@ -474,7 +498,7 @@ class StageWorker:
         else:
             if grad is None:
                 raise StageError(f"stage {self.index}: backward needs a gradient payload")
-            grad, check = self._take_check(grad, ref)
+            grad, _ = self._take_check(grad, ref, "grad")  # none: the callee checked both ways in forward()
             grad, gfit = self._take_grad_code(grad, ref)
             # the gradient's own transform (or none), never the forward's that the same context carried
             ctx = dataclasses.replace(state.ctx_out, transform=gfit.transform if gfit is not None else None)
@@ -487,9 +511,7 @@ class StageWorker:
                     f"stage {self.index}: gradient shape {tuple(g.shape)} != {tuple(state.outputs.shape)}"
                 )
             if ref is not None:
-                g_ref = ref.input_grad(self._ref_key(mb), state.ids, self.index, state.sent, scale)
-                self._compare_reference(check, g_ref, "gradient", mb)
-                g = g.float() + g_ref
+                g = g.float() + ref.input_grad(self._ref_key(mb), state.ids, self.index, state.sent, scale)
             if self.map_out is not None and codec is not self.dense_codec:
                 self.map_out.observe_grad(g)  # the Fisher metric of its code (mask.reference_code_metric)
             if self.cfg.mask.reference_code_grad == "project" and state.ctx_out.transform is not None:
@@ -505,10 +527,10 @@ class StageWorker:
         if self.is_first:
             return None
         g_in = state.inputs.grad
-        gcode = g_ref = None
+        gcode = None
         if ref is not None:
-            g_ref = ref.input_grad(self._ref_key(mb), state.ids, self.index - 1, state.inputs.detach(), scale)
-            g_in = g_in.float() - g_ref
+            g_in = g_in.float() - ref.input_grad(self._ref_key(mb), state.ids, self.index - 1,
+                                                 state.inputs.detach(), scale)
             gcode = self._grad_code(g_in.shape[-1])
         # the gradient's own transform code (or none): never the forward's, which the same exchange's context holds
         ctx = dataclasses.replace(state.ctx_in, transform=gcode.transform if gcode is not None else None)
@@ -516,8 +538,6 @@ class StageWorker:
         if gcode is not None:
             gcode.observe(None, g_in)
             payload = gcode.attach(payload, None if self.ship_maps else False)
-        if g_ref is not None:
-            payload = with_check(payload, g_ref, self.cfg.mask.reference_check)
         self.counter.add(self._axis("pp_bwd"), payload_bytes(payload))
         return payload
 
