@@ -63,6 +63,10 @@ MB2 = ["train.batch_size=2", "train.microbatches=2"]
 MB4 = ["train.batch_size=1", "train.microbatches=4"]
 # X = 4 replicas of 2 sequences each as 2 microbatches of 1: the same 8 sequences per step as X = 2
 X4 = ["dp.replicas=4", "train.batch_size=1", "train.microbatches=2"]
+# 32 sequences a step: one replica of 8 microbatches of 4; or X = 2 replicas of 4 microbatches of 4, synced every 20
+# steps at PowerSGD rank 2 with dp.v_correction
+B32 = ["train.batch_size=4", "train.microbatches=8"]
+DP_B32 = ["train.batch_size=4", "train.microbatches=4", "dp.inner_steps=20", "dp.rank=2", "dp.v_correction=true"]
 
 REFMAP64_P10 = ["mask.codec=rotq", "mask.bits=1", "mask.reference=both", "mask.reference_map_rank=64",
                 "mask.reference_map_period=10"]
@@ -285,6 +289,16 @@ VARIANTS: dict[str, list[str]] = {
     "rotq1_refmap64_tc288_g144_p10_fisher_f8_dpavg_vc_r4": [*TC288_G144, "mask.reference_code_metric=fisher",
                                                             "mask.reference_fit_bits=8", *DP, *MB2,
                                                             "dp.v_correction=true", "dp.rank=4"],
+    # At scale (thirty-third session): 8x the table's tokens a step (32 sequences of 256; run with --steps 480 so each
+    # row takes 60 steps), where a fit every 10 steps and DP syncs cost 1/8 as much per token. Dense on one replica;
+    # DP as X = 2 replicas of 16 sequences (4 microbatches of 4), PowerSGD rank 2 with 8-bit factors every H = 20
+    # steps (the twenty-eighth session's arithmetic: ~12 B/token at this batch), plain average, dp.v_correction;
+    # and the whole system: the 1/8-bit-back code with 8-bit fits and one-byte scales, with that DP.
+    "dense_b32": B32,
+    "dense_dp_vc_r2_h20_b32": [*DP, *DP_B32],
+    "rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r2_h20_b32": [
+        *REFMAP64_P10, "mask.reference_code_bits=288", "mask.reference_grad_code_bits=72",
+        "mask.reference_code_metric=fisher", "mask.reference_fit_bits=8", "mask.token_scale=log8", *DP, *DP_B32],
 }
 TABLE = ["dense", "dense_dp", "m90", "m90_ap", "m95", "m95_ap", "m95_ap_dp", "topk", "int8"]
 
