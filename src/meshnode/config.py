@@ -101,6 +101,11 @@ class TrainConfig:
     device: str = "cpu"  # where the in-process mesh (``meshnode train``) runs: cpu | cuda | cuda:N
 
 
+# at most this many sampled entries of each reference per payload (``mask.reference_check``); an activation coded
+# with ``both`` carries twice as many (the reference gradient's too): compression's MAX_REF_CHECK, what the wire admits
+MAX_REFERENCE_CHECK = 32
+
+
 @dataclass(kw_only=True, slots=True)
 class MaskConfig:
     """Activation masking at stage boundaries (the fast circuit). ``ratio`` p = 0 means dense."""
@@ -464,9 +469,9 @@ def _cross_check(cfg: RunConfig) -> None:
     if cfg.mask.reference_code_grad != "straight" and not cfg.mask.reference_code_bits:
         raise ConfigError("mask.reference_code_grad sets the gradient through the activation's transform code: it "
                           "needs mask.reference_code_bits")
-    if cfg.mask.reference_check > 32:  # twice that with ``both``: MAX_REF_CHECK, what the wire admits
+    if cfg.mask.reference_check > MAX_REFERENCE_CHECK:
         raise ConfigError(f"mask.reference_check: {cfg.mask.reference_check} sampled entries of the reference per "
-                          "payload; at most 32 (8 tell a numeric mismatch apart from none)")
+                          f"payload; at most {MAX_REFERENCE_CHECK} (8 tell a numeric mismatch apart from none)")
     if cfg.anchor.enabled and cfg.anchor.snapshot == "dp" and not cfg.dp.enabled:
         raise ConfigError("anchor.snapshot: 'dp' needs dp.enabled = true (the anchor follows the DP all-reduce)")
     if cfg.dp.matchmaking_time >= cfg.dp.round_timeout:

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..config import MaskConfig
+from ..config import MAX_REFERENCE_CHECK, MaskConfig
 from .accounting import ByteCounter, payload_bytes, tensor_bytes
 from .mask import MaskKey, keep_indices, num_kept
 from .quant import dequantize_absmax, quantize_absmax, quantized_nbytes
@@ -135,9 +135,9 @@ REF_CODE_TENSORS = ("ref_code_basis", "ref_code_scale", "ref_code_bits")
 # as 4-bit codes packed two rows to a byte, uint8 (ceil(H / 2), k) (a code's basis: ``mask.reference_basis_bits``)
 REF_FIT_STEP_TENSORS = tuple(f"{name}_step" for name in (*REF_MAP_TENSORS, REF_CODE_TENSORS[0]))
 # ``mask.reference_check``: entries of the reference the sender coded against, (n <= 64,) float32, which the receiver
-# compares with its own
+# compares with its own: the activation's and, with ``both``, the reference gradient's
 REF_CHECK_TENSOR = "ref_check"
-MAX_REF_CHECK = 64
+MAX_REF_CHECK = 2 * MAX_REFERENCE_CHECK
 
 
 @dataclass

@@ -705,7 +705,7 @@ def with_check(payload: EncodedPayload, sample: Tensor | None) -> EncodedPayload
     None: as it is)."""
     if sample is None:
         return payload
-    return dataclasses.replace(payload, tensors={**payload.tensors, CHECK_TENSOR: sample.float().cpu()})
+    return dataclasses.replace(payload, tensors={**payload.tensors, CHECK_TENSOR: sample})
 
 
 def take_check(payload: EncodedPayload, n: int) -> tuple[EncodedPayload, Tensor | None]:
