@@ -31,6 +31,9 @@ class _ExactPowerSGD:
     def abandon(self):
         pass
 
+    def state_dict(self):
+        return {}
+
 
 def _dp(params, release: asyncio.Event, calls: list):
     dp = SwarmDP.__new__(SwarmDP)
@@ -1093,6 +1096,41 @@ def test_a_periodic_checkpoint_keeps_the_step_taken_so_far_when_the_replica_is_q
     assert all(torch.equal(t, after[n]) for n, t in restarted.worker.module.state_dict().items())
     _, other, _, _, _ = _last_stage_host(tiny_cfg, cache_dir, *overrides)
     assert other.load_state_blob(busy_blob, partial=True) == 0 and other.pending_microbatches == 0
+
+
+def test_a_failed_background_round_lets_a_waiting_periodic_checkpoint_go_on(tiny_cfg, cache_dir):
+    """A periodic checkpoint waits for the replica to be quiet with no DP round pending. When the pending round
+    fails (the fast circuit goes on without it), the waiting checkpoint takes the step so far at once; before, no
+    one woke it and it waited out its whole time, then saved without the partial step."""
+    cfg, host, mod, _, _ = _last_stage_host(tiny_cfg, cache_dir, "train.microbatches=3")
+    params = {n: p for n, p in mod.named_parameters() if n.endswith("o_proj.weight")}
+
+    async def scenario():
+        release, calls = asyncio.Event(), []
+        dp = _dp(params, release, calls)
+
+        async def failing(tensors, tag, paired=False, fingerprint=None):
+            calls.append(tag)
+            await release.wait()
+            raise RuntimeError("the group fell apart")
+
+        dp._average = failing
+        dp.host, host.dp = host, dp
+        await _feed(host, _microbatches(cfg, 2), [0, 1])
+        await dp.after_step(2)  # due: the round runs in the background
+        assert 0 in dp.pending
+        saving = asyncio.create_task(host.checkpoint_blob(60.0))
+        for _ in range(1000):  # until the checkpoint waits on the replica's condition
+            if host._cond._waiters:
+                break
+            await asyncio.sleep(0)
+        assert host._cond._waiters and not saving.done()
+        release.set()
+        blob, taken = await asyncio.wait_for(saving, 20.0)
+        assert not dp.pending and not dp.ready and dp.syncs == 0 and calls
+        return taken
+
+    assert asyncio.run(scenario()) == 2
 
 
 def test_a_checkpoints_partial_step_that_does_not_fit_is_dropped_whole(tiny_cfg, cache_dir, caplog):

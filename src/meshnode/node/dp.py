@@ -412,6 +412,10 @@ class SwarmDP:
                 await run_if_idle(self.apply_ready)
             except Exception as exc:
                 logger.warning("DP: applying a finished sync while idle failed: %r", exc)
+        # whoever waits for no round pending (a periodic checkpoint) looks again, also when the round failed
+        wake = getattr(self.host, "wake", None)
+        if wake is not None:
+            await wake()
 
     async def apply_ready(self) -> None:
         """Apply finished background syncs (call with the gate closed: no live autograd graph)."""

@@ -255,6 +255,12 @@ class StageHost:
                 self._stepping = False
                 self._cond.notify_all()
 
+    async def wake(self) -> None:
+        """Wake whoever waits on this replica's state: a background DP round ended (applied, or failed and dropped),
+        so a periodic checkpoint waiting for none to be pending looks again instead of waiting out its time."""
+        async with self._cond:
+            self._cond.notify_all()
+
     def busy(self) -> bool:
         """A microbatch in flight, an optimizer step (with its blocking DP sync) running, or a background DP sync
         not finished: what a reader of the final counters (the demo) waits out."""
