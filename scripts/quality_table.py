@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import platform
+import re
 import statistics
 import time
 from pathlib import Path
@@ -429,7 +430,11 @@ def render(path: Path) -> None:
         own = "linuxdoc" if task == "domain" else "sotu"
         for name, r in runs.items():
             h, b = r["heldout_loss"], r["bytes_per_token"]
-            rel = f"{(h[own] / dense['heldout_loss'][own] - 1) * 100:+.1f}%" if dense else ""
+            # a row at another batch (``*_b32``) against dense at that batch where the file has it (that dense row
+            # itself against the table's dense)
+            batch = re.search(r"_b\d+$", name)
+            ref = (runs.get(f"dense{batch.group()}") if batch and name != f"dense{batch.group()}" else None) or dense
+            rel = f"{(h[own] / ref['heldout_loss'][own] - 1) * 100:+.1f}%" if ref else ""
             steady = f"{r['bytes_per_token_steady']['total']:.1f}" if r.get("bytes_per_token_steady") else ""
             lines.append(
                 f"| {name} | {h['linuxdoc']:.3f} | {h['sotu']:.3f} | {rel} | {b['pp_fwd']:.0f} | {b['pp_bwd']:.0f} | "

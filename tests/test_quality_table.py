@@ -18,6 +18,8 @@ CFG = qt.ROOT / "configs" / qt.TASKS["domain"]  # batch 4, one microbatch
 
 @pytest.mark.parametrize("variant,steps,replicas", [
     ("dense", 60, 1), ("dense_dp", 30, 2), ("dense_b8", 30, 1), ("m95_ap_dp", 30, 2), ("rotq4_ns_g1", 60, 1),
+    ("dense_b32", 7, 1), ("dense_dp_vc_r2_h20_b32", 7, 2),
+    ("rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r2_h20_b32", 7, 2),
 ])
 def test_every_variant_gets_the_same_tokens(variant, steps, replicas):
     assert qt.steps_for(CFG, qt.VARIANTS[variant], 60, []) == (steps, replicas)
@@ -33,6 +35,24 @@ def test_dp_rows_take_the_default_outer_step_and_diloco_rows_differ_only_there(r
     assert (diloco.dp.outer_lr, diloco.dp.outer_momentum) == (0.7, 0.9)
     diloco.dp.outer_lr, diloco.dp.outer_momentum = table.dp.outer_lr, table.dp.outer_momentum
     assert diloco == table
+
+
+def test_a_row_at_another_batch_is_compared_with_dense_at_that_batch(tmp_path):
+    import json
+
+    def row(loss):
+        return {"heldout_loss": {"linuxdoc": loss, "sotu": 3.0}, "wall_s": 1.0,
+                "bytes_per_token": {"pp_fwd": 1, "pp_bwd": 1, "dp": 0, "anchor": 0, "total": 2}}
+
+    runs = {"dense": row(2.0), "dense_b32": row(1.6), "x_b32": row(1.64), "x": row(2.1), "x_b8": row(2.2)}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"steps": 60, "batch": [4, 256], "eval_batches": 8, "tasks": {"domain": runs}}))
+    qt.render(path)
+    cells = {line.split("|")[1].strip(): line.split("|")[4].strip()
+             for line in path.with_suffix(".md").read_text().splitlines() if line.startswith("| ")}
+    assert cells["dense_b32"] == "-20.0%"  # against the table's dense
+    assert cells["x_b32"] == "+2.5%"  # against dense_b32
+    assert cells["x"] == "+5.0%" and cells["x_b8"] == "+10.0%"  # no dense_b8 in the file: the table's dense
 
 
 def test_a_batch_that_is_not_a_multiple_of_the_base_is_refused():
