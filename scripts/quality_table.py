@@ -22,6 +22,7 @@ import json
 import logging
 import platform
 import re
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -385,6 +386,8 @@ def run_one(task: str, name: str, overrides: list[str], steps: int, args, eval_s
             refresh_next_gains(trainer)
         if "loss" in rec and (rec["step"] + 1) % 10 == 0:
             logger.info("%s/%s step %d loss %.4f", task, name, rec["step"] + 1, rec["loss"])
+        if "heldout_loss" in rec:  # in the log as it comes: a run that dies still leaves its evaluations
+            logger.info("%s/%s held-out loss %.4f at step %d", task, name, rec["heldout_loss"], rec["step"])
 
     result = trainer.train(metrics=on_record)
     wall = time.perf_counter() - t0
@@ -399,6 +402,8 @@ def run_one(task: str, name: str, overrides: list[str], steps: int, args, eval_s
     return {
         **extra, "overrides": overrides, "steps": run_steps, "replicas": replicas, "tokens": result.tokens,
         "heldout_loss": held, "bytes_per_token": final["bytes_per_token"], "wall_s": round(wall, 1),
+        # the process's peak resident memory so far (Linux: KiB): what running rows side by side must fit
+        "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         "bytes_per_token_steady": {a: round(v, 2) for a, v in
                                    steady_bytes_per_token(per_step, result.tokens / max(1, run_steps)).items()},
         "bytes_per_step": per_step,
