@@ -298,10 +298,9 @@ VARIANTS: dict[str, list[str]] = {
     # and the whole system: the 1/8-bit-back code with 8-bit fits and one-byte scales, with that DP.
     "dense_b32": B32,
     "dense_dp_vc_r2_h20_b32": [*DP, *DP_B32],
-    "rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r2_h20_b32": [
-        *REFMAP64_P10, "mask.reference_code_bits=288", "mask.reference_grad_code_bits=72",
-        "mask.reference_code_metric=fisher", "mask.reference_fit_bits=8", "mask.token_scale=log8", *DP, *DP_B32],
 }
+VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r2_h20_b32"] = [
+    *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8"], *DP, *DP_B32]
 TABLE = ["dense", "dense_dp", "m90", "m90_ap", "m95", "m95_ap", "m95_ap_dp", "topk", "int8"]
 
 logger = logging.getLogger("quality_table")
