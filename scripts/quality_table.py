@@ -298,9 +298,17 @@ VARIANTS: dict[str, list[str]] = {
     # and the whole system: the 1/8-bit-back code with 8-bit fits and one-byte scales, with that DP.
     "dense_b32": B32,
     "dense_dp_vc_r2_h20_b32": [*DP, *DP_B32],
+    # the same DP uncompressed (every matrix below the rank, float factors): what the interval H = 20 costs alone
+    "dense_dp_vc_exact_h20_b32": [*DP, *DP_B32, *EXACT_DP],
+    # the same DP bytes spent as rank 1 twice as often (H = 10)
+    "dense_dp_vc_r1_h10_b32": [*DP, *DP_B32, "dp.rank=1", "dp.inner_steps=10"],
+    # rank 2 every 20 steps, each replica keeping the progress its rounds did not send (dp.keep_residual)
+    "dense_dp_vc_r2_h20_kr_b32": [*DP, *DP_B32, "dp.keep_residual=true"],
 }
 VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r2_h20_b32"] = [
     *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8"], *DP, *DP_B32]
+VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r2_h20_kr_b32"] = [
+    *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r2_h20_b32"], "dp.keep_residual=true"]
 TABLE = ["dense", "dense_dp", "m90", "m90_ap", "m95", "m95_ap", "m95_ap_dp", "topk", "int8"]
 
 logger = logging.getLogger("quality_table")

@@ -212,3 +212,27 @@ def test_decode_from_the_averaged_phases_equals_finish(quantize):
     for p, q in bad:
         with pytest.raises(ValueError):
             powersgd_decode(p, q, shapes, rank=3)
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_keep_residual_puts_each_replicas_unsent_progress_in_its_weights(quantize):
+    # two replicas moved from a shared start s by full-rank steps; a rank-2 round sends only part of them
+    s = {"w": _randn(64, 48, seed=20), "b": _randn(48, seed=21)}
+    moved = [{n: t - 0.1 * _randn(*t.shape, seed=30 + i + (5 if n == "b" else 0)) for n, t in s.items()}
+             for i in range(2)]
+    states = [PowerSGDState(rank=2, quantize=quantize) for _ in range(2)]
+    outs, _ = powersgd_allreduce(states, [{n: s[n] - x[n] for n in s} for x in moved])
+    errors = [st.errors["w"].clone() for st in states]
+    assert errors[0].norm() > 0.5 * (s["w"] - moved[0]["w"]).norm()  # most of a full-rank step is not sent
+    params = [{n: s[n] - outs[0][n] for n in s} for _ in range(2)]  # plain averaging: every replica at the new start
+    for st, p in zip(states, params):
+        st.keep_residual(p, ["w", "b"])
+    for p, e, st in zip(params, errors, states):
+        assert torch.allclose(p["w"], s["w"] - outs[0]["w"] - e, atol=1e-6)
+        assert not st.errors["w"].any()  # the next pseudo-gradient (start - weights) holds it now
+    assert not torch.equal(params[0]["w"], params[1]["w"])  # each keeps its own residual
+    for n in s:  # and their mean is the exact average of the weights the replicas reached
+        assert torch.allclose((params[0][n] + params[1][n]) / 2, (moved[0][n] + moved[1][n]) / 2, atol=1e-5), n
+    # the next round sends the residual: start - weights = error, and error feedback does not count it twice
+    nxt = {n: s[n] - outs[0][n] - params[0][n] for n in s}
+    assert torch.allclose(nxt["w"], errors[0], atol=1e-6) and not nxt["b"].any()

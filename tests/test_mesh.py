@@ -87,6 +87,33 @@ def test_exact_dp_every_step_is_parameter_averaging(tiny_cfg, cache_dir):
     assert mesh.counter.snapshot()["dp"] > 0
 
 
+def test_dp_keep_residual_keeps_each_replicas_unsent_progress(tiny_cfg, cache_dir):
+    """dp.keep_residual at rank 2: after a sync the replicas differ (each kept what PowerSGD did not send), their
+    mean is the exact average of two independent steps, and error feedback is empty; without it they are one
+    model, the average's rank-2 part away from it."""
+    base = (*EXACT, "train.steps=3", "dp.enabled=true", "dp.replicas=2", "dp.inner_steps=1", "dp.outer_lr=1.0",
+            "dp.outer_momentum=0.0", "dp.rank=2", "dp.fragments=1")
+    kept = MeshTrainer(tiny_cfg(*base, "dp.keep_residual=true"), cache_dir)
+    plain = MeshTrainer(tiny_cfg(*base), cache_dir)
+    ind = MeshTrainer(tiny_cfg(*EXACT, "train.steps=3", "dp.replicas=2"), cache_dir)
+    for r in range(2):
+        for w, k in zip(ind.workers[r], kept.workers[r]):
+            w.module.load_state_dict(k.module.state_dict())
+    for m in (kept, plain, ind):
+        m.train_step()
+    far_kept = far_plain = 0.0
+    for s in range(len(kept.workers[0])):
+        k0, k1, p0, i0, i1 = (dict(m.workers[r][s].module.named_parameters())
+                              for m, r in ((kept, 0), (kept, 1), (plain, 0), (ind, 0), (ind, 1)))
+        for n in k0:
+            mean = (i0[n] + i1[n]) / 2
+            assert torch.allclose((k0[n] + k1[n]) / 2, mean, atol=1e-5), n
+            far_kept = max(far_kept, float((k0[n] - k1[n]).abs().max()))
+            far_plain = max(far_plain, float((p0[n] - mean).abs().max()))
+        assert all(not e.any() for st in kept.dp.psgd[s] for e in st.errors.values())
+    assert far_kept > 1e-4 and far_plain > 1e-4  # rank 2 leaves a residual in both
+
+
 def test_dp_average_moments_averages_the_adamw_state(tiny_cfg, cache_dir):
     """dp.average_moments: after a sync every replica holds the mean of the moments the replicas had, and the dp
     axis counts them; without it the replicas keep their own moments."""

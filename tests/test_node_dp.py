@@ -49,6 +49,7 @@ def _dp(params, release: asyncio.Event, calls: list):
     dp.outer = OuterNesterov(params, lr=0.5, momentum=0.0)
     dp.psgd = _ExactPowerSGD()
     dp.overlap = True
+    dp.keep_residual = False
     dp.clock, dp._periods = None, []
     dp.pending, dp.ready = {}, []
     dp.skipped = dp.syncs = dp.abandoned = dp.realigned = 0
@@ -226,6 +227,36 @@ def test_an_unpaired_sync_changes_nothing_and_the_progress_carries_over():
     asyncio.run(scenario())
 
 
+def test_an_overlapped_sync_with_keep_residual_keeps_the_unsent_progress_too():
+    """dp.keep_residual in the swarm: the outer step lands at the next step boundary with the progress made during
+    the rounds kept, and the part of the synced progress that rank 2 did not send is kept in the weights instead of
+    in error feedback (a partner that sent the same values: the group mean is this replica's own)."""
+    async def scenario():
+        w = torch.zeros(8, 6)
+        params = {"w": w}
+        release = asyncio.Event()
+        dp = _dp(params, release, [])
+        dp.outer = OuterNesterov(params, lr=1.0, momentum=0.0)
+        dp.psgd = PowerSGDState(2)
+        dp.keep_residual = True
+        synced = torch.randn(8, 6, generator=torch.Generator().manual_seed(3))
+        w.add_(synced)
+        await dp.after_step(2)
+        during = torch.randn(8, 6, generator=torch.Generator().manual_seed(4))
+        w.add_(during)
+        release.set()
+        await asyncio.wait_for(dp.pending[0], 1.0)
+        sent = dp.ready[0][1]["w"]  # the averaged update: -(the rank-2 part of the synced progress)
+        assert torch.linalg.matrix_rank(sent) <= 2 and not torch.allclose(-sent, synced, atol=1e-3)
+        await dp.after_step(3)
+        # nothing of either lost: the start moved by the sent part; the weights hold all of both
+        assert torch.allclose(dp.outer.start["w"], -sent)
+        assert torch.allclose(w, synced + during, atol=1e-5)
+        assert not dp.psgd.errors["w"].any()
+
+    asyncio.run(scenario())
+
+
 def test_a_failed_background_sync_changes_nothing():
     async def scenario():
         w = torch.ones(2, 2)
@@ -259,6 +290,7 @@ def _logging_dp(params, maxlen: int):
     dp.frags = [["w"], ["b"]]
     dp.outer = OuterNesterov(params, lr=0.7, momentum=0.9)
     dp.psgd = PowerSGDState(2, quantize=True)
+    dp.keep_residual = False
     dp.syncs, dp.group_sizes, dp.partners, dp.recheck = 0, [], lambda: 0, None
     dp.keep_log, dp.log, dp.log_seq = True, deque(maxlen=maxlen), 0
     dp.log_epoch, dp.log_base = "e1", "pretrained"

@@ -256,6 +256,12 @@ class DPConfig:
     # the replica's last DP sync averaged with (dp.replicas until its first), and a replica's losses match the
     # mesh's (tests/test_swarm.py).
     v_correction: bool = False
+    # After each sync a replica keeps the part of its own progress that PowerSGD did not send: it stands at the new
+    # start weights minus its error-feedback residual (which is then zeroed: the next pseudo-gradient holds it)
+    # instead of at the start weights with the residual held back. What travels is unchanged; the replicas' mean is
+    # the exact average of their weights (with plain averaging) and each replica differs from it by its residual.
+    # At rank 2 every 20 steps the held-back residual is most of 20 steps' progress (docs/quality.md, 34th session).
+    keep_residual: bool = False
 
 
 @dataclass(kw_only=True, slots=True)

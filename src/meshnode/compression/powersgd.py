@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 import math
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import Tensor
@@ -252,6 +252,23 @@ class PowerSGDState:
         self.rounds += 1
         self._reset_round()
         return out
+
+    @torch.no_grad()
+    def keep_residual(self, params: Mapping[str, Tensor], names: Iterable[str]) -> None:
+        """Move each named tensor's residual out of error feedback and into ``params`` (``params -= error``).
+
+        Call after the outer step has set ``params`` to the new start weights: the replica then stands at
+        ``start - error``, with the progress its round did not send applied locally instead of held back until a
+        later round sends it. Its next pseudo-gradient (``start - params``) holds the residual, so the error is
+        zeroed: what travels later is the same, and the replicas' mean is the exact average of their weights
+        before the round (with plain averaging), while each replica differs from it by its own residual."""
+        for name in names:
+            err = self.errors.get(name)
+            if err is None:
+                continue
+            p = params[name]
+            p.sub_(err.reshape(p.shape).to(device=p.device, dtype=p.dtype))
+            err.zero_()
 
     def round_bytes(self, tensors: Mapping[str, Tensor]) -> int:
         """Bytes a round over ``tensors`` hands to the averager (without running it)."""

@@ -61,6 +61,9 @@ class MeshDP:
         for r in range(1, self.replicas):
             for n in names:
                 live[r][n].copy_(live[0][n])
+        if trainer.cfg.dp.keep_residual:
+            for r in range(self.replicas):
+                self.psgd[stage][r].keep_residual(live[r], names)
         if trainer.cfg.dp.average_moments:
             trainer.counter.add("dp", self.replicas * average_moments(
                 [trainer.workers[r][stage].optimizer for r in range(self.replicas)], names))

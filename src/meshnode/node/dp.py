@@ -147,6 +147,7 @@ class SwarmDP:
         self.round_timeout = cfg.round_timeout if round_timeout is None else round_timeout
         self.matchmaking_time = cfg.matchmaking_time if matchmaking_time is None else matchmaking_time
         self.overlap = cfg.overlap
+        self.keep_residual = cfg.keep_residual  # after a sync, stand at start - own residual (PowerSGDState)
         # dp.clock = "driver" (overlap only): syncs counted on the newest driver step this peer knows
         self.clock = clock if cfg.clock == "driver" and cfg.overlap else None
         self._periods: list[int] = []  # the clock period each fragment last synced in
@@ -430,13 +431,15 @@ class SwarmDP:
     @torch.no_grad()
     def _apply_keep_progress(self, avg: dict, snapshot: dict) -> None:
         progress = {n: self.params[n].detach().float() - snapshot[n] for n in avg}
-        self.outer.apply(avg, self.params)
+        self._apply(avg)
         for n, d in progress.items():
             self.params[n].add_(d.to(self.params[n].dtype))
 
     @torch.no_grad()
     def _apply(self, avg) -> None:
         self.outer.apply(avg, self.params)
+        if self.keep_residual:
+            self.psgd.keep_residual(self.params, avg)
 
     async def _average(self, tensors: dict[str, torch.Tensor], tag: tuple, paired: bool = False,
                        fingerprint: list[float] | None = None) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
