@@ -7,7 +7,9 @@ when ``(t - offset_f) % H == 0``. A sync all-reduces the replicas' pseudo-gradie
 current weights) with PowerSGD (rank ``dp.rank``, error feedback, optional 8-bit factors), takes a
 Nesterov outer step on the start weights and copies them into every replica. The bytes one replica
 would send are counted on the ``dp`` axis. ``dp.average_moments`` (an experiment) also averages the replicas'
-AdamW moments of the synced parameters (:func:`average_moments`).
+AdamW moments of the synced parameters (:func:`average_moments`). ``dp.keep_residual`` leaves in each replica's
+weights the part of its own progress the round did not send (:meth:`PowerSGDState.keep_residual`), so the
+replicas differ after a sync by their residuals and their mean is the exact average.
 """
 
 from __future__ import annotations
