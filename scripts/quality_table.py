@@ -201,6 +201,8 @@ VARIANTS: dict[str, list[str]] = {
     # controls) and takes the excess out of v
     "dense_dp_mb2": [*DP, *MB2],
     "dense_dp_vc": [*DP, *MB2, "dp.v_correction=true"],
+    # the same, each replica keeping the progress its rounds did not send (thirty-fourth session)
+    "dense_dp_vc_kr": [*DP, *MB2, "dp.v_correction=true", "dp.keep_residual=true"],
     "dense_dp_avg1_mv_vc": [*DP, "dp.inner_steps=1", "dp.fragments=1", *PLAIN_AVG, *EXACT_DP,
                             "dp.average_moments=true", *MB2, "dp.v_correction=true"],
     # is it only a longer step? The same at lr 1.41e-4, against dense_dp_lr1.4 and dense_lr1.4 (twelfth session)

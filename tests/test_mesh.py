@@ -103,7 +103,7 @@ def test_dp_keep_residual_keeps_each_replicas_unsent_progress(tiny_cfg, cache_di
         m.train_step()
     far_kept = far_plain = 0.0
     for s in range(len(kept.workers[0])):
-        k0, k1, p0, i0, i1 = (dict(m.workers[r][s].module.named_parameters())
+        k0, k1, p0, i0, i1 = ({n: t.detach() for n, t in m.workers[r][s].module.named_parameters()}
                               for m, r in ((kept, 0), (kept, 1), (plain, 0), (ind, 0), (ind, 1)))
         for n in k0:
             mean = (i0[n] + i1[n]) / 2
