@@ -306,11 +306,15 @@ VARIANTS: dict[str, list[str]] = {
     "dense_dp_vc_r1_h10_b32": [*DP, *DP_B32, "dp.rank=1", "dp.inner_steps=10"],
     # rank 2 every 20 steps, each replica keeping the progress its rounds did not send (dp.keep_residual)
     "dense_dp_vc_r2_h20_kr_b32": [*DP, *DP_B32, "dp.keep_residual=true"],
+    # half its DP bytes: rank 1 every 20 steps with keep_residual (what brings the whole system under dense/40)
+    "dense_dp_vc_r1_h20_kr_b32": [*DP, *DP_B32, "dp.rank=1", "dp.keep_residual=true"],
 }
 VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r2_h20_b32"] = [
     *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8"], *DP, *DP_B32]
 VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r2_h20_kr_b32"] = [
     *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r2_h20_b32"], "dp.keep_residual=true"]
+VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r1_h20_kr_b32"] = [
+    *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r2_h20_kr_b32"], "dp.rank=1"]
 TABLE = ["dense", "dense_dp", "m90", "m90_ap", "m95", "m95_ap", "m95_ap_dp", "topk", "int8"]
 
 logger = logging.getLogger("quality_table")
