@@ -19,7 +19,8 @@ CFG = qt.ROOT / "configs" / qt.TASKS["domain"]  # batch 4, one microbatch
 @pytest.mark.parametrize("variant,steps,replicas", [
     ("dense", 60, 1), ("dense_dp", 30, 2), ("dense_b8", 30, 1), ("m95_ap_dp", 30, 2), ("rotq4_ns_g1", 60, 1),
     ("dense_b32", 7, 1), ("dense_dp_vc_r2_h20_b32", 7, 2),
-    ("rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r2_h20_b32", 7, 2),
+    ("rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r2_h20_b32", 7, 2), ("dense_dp_vc_r1_h20_kr_b32", 7, 2),
+    ("rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r1_h20_kr_b32", 7, 2), ("dense_b16", 15, 1),
 ])
 def test_every_variant_gets_the_same_tokens(variant, steps, replicas):
     assert qt.steps_for(CFG, qt.VARIANTS[variant], 60, []) == (steps, replicas)
