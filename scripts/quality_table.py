@@ -411,6 +411,11 @@ def run_one(task: str, name: str, overrides: list[str], steps: int, args, eval_s
     final = records[-1]
     per_step = step_bytes(records)
     extra = {}
+    if replicas > 1:  # held_out_loss is replica 0's; with dp.keep_residual the replicas differ by their residuals
+        extra["heldout_loss_replica1"] = {c: trainer.heldout_loss(1, b) for c, b in eval_sets.items()}
+        extra["heldout_loss_mean"] = {c: trainer.heldout_loss_of_mean(b) for c, b in eval_sets.items()}
+        logger.info("%s/%s held-out of replica 1 %s, of the replicas' mean %s", task, name,
+                    extra["heldout_loss_replica1"], extra["heldout_loss_mean"])
     if live_gains:  # how far the loaded copy would have been from the trained gains (largest relative difference)
         extra["gain_drift_max_rel"] = round(max(
             float(((row[i].module.next_input_gain - loaded_gains[r][i]).abs() / loaded_gains[r][i].abs()).max())
@@ -449,6 +454,7 @@ def render(path: Path) -> None:
         if before:
             lines.append(f"| (no training) | {before['linuxdoc']:.3f} | {before['sotu']:.3f} | | | | | | | | |")
         own = "linuxdoc" if task == "domain" else "sotu"
+        mean_rows = []
         for name, r in runs.items():
             h, b = r["heldout_loss"], r["bytes_per_token"]
             # a row at another batch (``*_b32``) against dense at that batch where the file has it (that dense row
@@ -461,7 +467,15 @@ def render(path: Path) -> None:
                 f"| {name} | {h['linuxdoc']:.3f} | {h['sotu']:.3f} | {rel} | {b['pp_fwd']:.0f} | {b['pp_bwd']:.0f} | "
                 f"{b['dp']:.0f} | {b['anchor']:.0f} | {b['total']:.0f} | {steady} | {r['wall_s']:.0f} |"
             )
+            if r.get("heldout_loss_mean"):
+                mean_rows.append((name, r["heldout_loss_mean"], ref))
         lines.append("")
+        if mean_rows:  # DP rows: the table scores replica 0; the replicas' exact average (one closing all-reduce)
+            lines += ["Held-out loss of the replicas' exact average (DP rows; the table scores replica 0):", ""]
+            for name, m, ref in mean_rows:
+                rel = f" ({(m[own] / ref['heldout_loss'][own] - 1) * 100:+.1f}%)" if ref else ""
+                lines.append(f"- {name}: linux-doc {m['linuxdoc']:.3f}{rel}, sotu {m['sotu']:.3f}")
+            lines.append("")
     md = path.with_suffix(".md")
     md.write_text("\n".join(lines))
     try:

@@ -114,6 +114,26 @@ def test_dp_keep_residual_keeps_each_replicas_unsent_progress(tiny_cfg, cache_di
     assert far_kept > 1e-4 and far_plain > 1e-4  # rank 2 leaves a residual in both
 
 
+def test_heldout_loss_of_mean_scores_the_replicas_exact_average_and_leaves_replica_0_as_it_was(tiny_cfg, cache_dir):
+    """With dp.keep_residual the replicas differ after a rank-2 sync; the loss of their mean is that of uncompressed
+    DP's model (both replicas at the exact average of the same two steps), not replica 0's, and replica 0's weights
+    are bit for bit what they were before."""
+    base = (*EXACT, "train.steps=3", "dp.enabled=true", "dp.replicas=2", "dp.inner_steps=1", "dp.outer_lr=1.0",
+            "dp.outer_momentum=0.0", "dp.fragments=1")
+    kept = MeshTrainer(tiny_cfg(*base, "dp.rank=2", "dp.keep_residual=true"), cache_dir)
+    exact = MeshTrainer(tiny_cfg(*base, "dp.rank=100000", "dp.quantize=false"), cache_dir)
+    for m in (kept, exact):
+        m.train_step()
+    before = [{n: t.detach().clone() for n, t in w.module.named_parameters()} for w in kept.workers[0]]
+    of_mean, own = kept.heldout_loss_of_mean(), kept.heldout_loss(0)
+    assert abs(of_mean - exact.heldout_loss(0)) < 1e-4
+    assert abs(of_mean - own) > 1e-4  # replica 0 alone is another model
+    for w, saved in zip(kept.workers[0], before):
+        for n, t in w.module.named_parameters():
+            assert torch.equal(t, saved[n]), n
+    assert kept.heldout_loss(0) == own
+
+
 def test_dp_average_moments_averages_the_adamw_state(tiny_cfg, cache_dir):
     """dp.average_moments: after a sync every replica holds the mean of the moments the replicas had, and the dp
     axis counts them; without it the replicas keep their own moments."""

@@ -108,3 +108,21 @@ def test_the_steady_step_cost_is_a_step_without_a_fit(tiny_cfg, cache_dir):
     assert steady["total"] < final["total"] / trainer.tokens
     assert steady["pp_fwd"] > 0 and steady["pp_bwd"] > 0 and steady["dp"] == 0
     assert qt.steady_bytes_per_token([], per_step_tokens) == {}
+
+
+def test_a_dp_rows_replica_mean_is_rendered_against_its_dense(tmp_path):
+    import json
+
+    def row(loss, mean=None):
+        r = {"heldout_loss": {"linuxdoc": loss, "sotu": 3.0}, "wall_s": 1.0,
+             "bytes_per_token": {"pp_fwd": 1, "pp_bwd": 1, "dp": 0, "anchor": 0, "total": 2}}
+        if mean is not None:
+            r["heldout_loss_mean"] = {"linuxdoc": mean, "sotu": 2.9}
+        return r
+
+    runs = {"dense_b32": row(2.0), "dp_b32": row(2.1, mean=2.05), "other_b32": row(2.2)}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"steps": 60, "batch": [4, 256], "eval_batches": 8, "tasks": {"domain": runs}}))
+    qt.render(path)
+    means = [line for line in path.with_suffix(".md").read_text().splitlines() if line.startswith("- ")]
+    assert means == ["- dp_b32: linux-doc 2.050 (+2.5%), sotu 2.900"]

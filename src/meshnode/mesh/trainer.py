@@ -224,6 +224,30 @@ class MeshTrainer:
             total += float(causal_lm_loss(x, ids))
         return total / len(batches)
 
+    @torch.no_grad()
+    def heldout_loss_of_mean(self, batches: list[torch.Tensor] | None = None) -> float:
+        """Held-out loss of the replicas' exact average (every parameter's mean over the X replicas): the model one
+        closing uncompressed all-reduce of the live weights would leave every peer of a stage with. With
+        ``dp.keep_residual`` the replicas differ by what their rounds did not send, and this is what they hold
+        together. Replica 0 is borrowed for it and left exactly as it was."""
+        if len(self.workers) == 1:
+            return self.heldout_loss(0, batches)
+        kept = []
+        for s, w in enumerate(self.workers[0]):
+            params = dict(w.module.named_parameters())
+            kept.append({n: p.detach().clone() for n, p in params.items()})
+            others = [dict(row[s].module.named_parameters()) for row in self.workers[1:]]
+            for n, p in params.items():
+                for o in others:
+                    p.add_(o[n])
+                p.div_(len(self.workers))
+        try:
+            return self.heldout_loss(0, batches)
+        finally:
+            for w, saved in zip(self.workers[0], kept):
+                for n, p in w.module.named_parameters():
+                    p.copy_(saved[n])
+
     # ------------------------------------------------------------------------------------------
 
     def train(
