@@ -12,6 +12,7 @@ from meshnode.config import ModelConfig
 from meshnode.model import (
     ModelLoadError,
     assemble_hf_model,
+    average_state_dicts,
     balanced_boundaries,
     build_tiny,
     cut_model,
@@ -164,3 +165,24 @@ def test_gguf_loading_and_cut(tmp_path):
         staged = cut[1](cut[0](ids))
     assert (full - staged).abs().max() <= 1e-5
     assert tok is not None
+
+
+def test_average_state_dicts_is_the_exact_mean_and_refuses_what_does_not_average():
+    a = {"w": torch.tensor([1.0, 2.0], dtype=torch.bfloat16), "n": torch.tensor([3])}
+    b = {"w": torch.tensor([2.0, 4.0], dtype=torch.bfloat16), "n": torch.tensor([3])}
+    c = {"w": torch.tensor([3.0, 0.0], dtype=torch.bfloat16), "n": torch.tensor([3])}
+    avg = average_state_dicts([a, b, c])
+    assert avg["w"].dtype == torch.bfloat16 and avg["w"].tolist() == [2.0, 2.0] and avg["n"].tolist() == [3]
+    assert average_state_dicts([a])["w"].tolist() == [1.0, 2.0]
+    with pytest.raises(ValueError, match="shape"):
+        average_state_dicts([a, {**b, "w": torch.zeros(3)}])
+    with pytest.raises(ValueError, match="shape"):
+        average_state_dicts([a, {"n": b["n"]}])
+    with pytest.raises(ValueError, match="only some"):
+        average_state_dicts([a, {**b, "x": torch.zeros(1)}])
+    with pytest.raises(ValueError, match="non-finite"):
+        average_state_dicts([a, {**b, "w": torch.tensor([float("nan"), 1.0])}])
+    with pytest.raises(ValueError, match="non-float"):
+        average_state_dicts([a, {**b, "n": torch.tensor([4])}])
+    with pytest.raises(ValueError, match="nothing"):
+        average_state_dicts([])

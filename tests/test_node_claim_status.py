@@ -973,3 +973,18 @@ def test_a_slowed_host_announces_a_lower_capacity():
     with pytest.raises(RuntimeError):
         host._timed(fails)
     assert host.compute_s - before < 0.01  # a failed call is not held
+
+
+def test_an_averaged_fetch_takes_the_replicas_that_applied_the_newest_sync():
+    from meshnode.node.inspect import MAX_AVERAGED, replicas_to_average
+
+    def r(pid, syncs, step):
+        return PeerRecord(peer_id=pid, role="fast", stage=1, num_stages=3, state="online", dp_syncs=syncs, step=step)
+
+    # freshest sync first, as the reader sorts: b one round behind (missed or ran alone) is averaged; c two behind
+    # (not keeping up) and d (never trained) are not
+    cands = [r("a", 4, 40), r("b", 3, 38), r("c", 2, 41), r("d", 4, 0)]
+    assert [p.peer_id for p in replicas_to_average(cands)] == ["a", "b"]
+    assert [p.peer_id for p in replicas_to_average([r("a", 0, 0), r("b", 0, 0)])] == ["a"]  # the freshest alone
+    many = [r(str(i), 2, 10) for i in range(MAX_AVERAGED + 3)]
+    assert len(replicas_to_average(many)) == MAX_AVERAGED

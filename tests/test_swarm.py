@@ -141,6 +141,18 @@ def test_anchor_follows_dp_instead_of_fetching_weights(swarm_factory, tmp_path, 
     assert syncs, f"stage 1's two peers never averaged together:\n{dp_lines[-4000:]}"
     assert st["bytes_per_token"]["anchor"] > 0
 
+    # an averaged fetch (meshnode export --average): stage 1's two replicas' exact mean, stage 0's one peer as it is
+    from meshnode.node.inspect import SwarmReader
+
+    with SwarmReader(sw.bootstrap, sw.cfg.run_id) as reader:
+        mean, meta = reader.stage_weights(average=True)
+    records = [(p["stage"], p["dp_syncs"], p["step"]) for p in st["peers"] if p["role"] != "anchor"]
+    assert set(meta) == {0, 1} and meta[1]["averaged"] == 2 and meta[0]["averaged"] == 1, (meta, records)
+    with SwarmReader(sw.bootstrap, sw.cfg.run_id) as reader:
+        own = reader.peer_weights(meta[1]["peers"])
+    for n, t in mean[1].items():
+        assert torch.allclose(t.float(), (own[0][n].float() + own[1][n].float()) / 2, atol=1e-2, rtol=1e-2), n
+
 
 @pytest.mark.parametrize("codec, grad_share", [
     # the gradient goes back at the activation's K positions: the same bytes

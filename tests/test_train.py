@@ -115,3 +115,38 @@ def test_export_loads_in_transformers(tiny_cfg, cache_dir, tmp_path):
         assert (model(ids).logits - staged).abs().max() < 1e-4
         gen = model.generate(ids[:1, :8], max_new_tokens=4, do_sample=False)
     assert gen.shape == (1, 12)
+
+
+def test_export_average_writes_the_dp_replicas_exact_mean(tiny_cfg, cache_dir, tmp_path):
+    """A checkpoint of an X = 2 run whose replicas differ (dp.keep_residual at rank 1): ``average`` writes their
+    exact mean, which scores what the final record's heldout_loss_mean says; without it replica 0."""
+    from transformers import AutoModelForCausalLM
+
+    records = []
+    trainer = MeshTrainer(tiny_cfg("train.steps=4", "train.eval_every=0", "dp.enabled=true", "dp.replicas=2",
+                                   "dp.inner_steps=2", "dp.rank=1", "dp.keep_residual=true", "dp.fragments=1",
+                                   "train.bf16=false"), cache_dir)
+    trainer.train(metrics=records.append, checkpoint_dir=tmp_path / "ckpt")
+    final = records[-1]
+    assert abs(final["heldout_loss_mean"] - final["heldout_loss"]) > 1e-4  # the replicas differ
+    ids = trainer.eval_set[0][:2]
+    logits = {}
+    for average in (False, True):
+        out = export_checkpoint(tmp_path / "ckpt", tmp_path / f"hf{average}", average=average)
+        with torch.no_grad():
+            logits[average] = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)(ids).logits
+    with torch.no_grad():
+        staged = ids
+        for w in trainer.workers[0]:
+            staged = w.eval_forward(staged)
+    assert (logits[False] - staged).abs().max() < 1e-4
+    assert (logits[True] - staged).abs().max() > 1e-3
+    with torch.no_grad():  # replica 0 set to the mean, parameter by parameter: the averaged export's function
+        for s in range(len(trainer.workers[0])):
+            params = [dict(trainer.workers[r][s].module.named_parameters()) for r in range(2)]
+            for n, p in params[0].items():
+                p.copy_((p + params[1][n]) / 2)
+        staged = ids
+        for w in trainer.workers[0]:
+            staged = w.eval_forward(staged)
+    assert (logits[True] - staged).abs().max() < 1e-4

@@ -158,6 +158,9 @@ def train(
         f"done: {final.get('steps')} steps, held-out loss {final.get('heldout_loss', float('nan')):.4f}, "
         f"{final.get('tokens_per_s', 0):.0f} tokens/s, bytes/token {bpt.get('total', 0):.1f}"
     )
+    if "heldout_loss_mean" in final:
+        console.print("held-out loss of replica 0 above; of the replicas' exact mean "
+                      f"{final['heldout_loss_mean']:.4f} (meshnode export --average writes it)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,6 +175,10 @@ def export(
     config: Annotated[Path | None, typer.Option("--config", "-c", help="Run config (with --initial-peers).")] = None,
     set_: SetOpt = None,
     cache_dir: CacheOpt = None,
+    average: Annotated[bool, typer.Option(
+        "--average", help="The DP replicas' exact mean instead of one replica's weights: of a checkpoint, all its "
+        "replicas; of a swarm, each stage's replicas that keep up with its DP syncs (this client averages)."),
+    ] = False,
 ) -> None:
     """Write a plain Hugging Face model directory: from a checkpoint, or from a running swarm's peers."""
     with swarm_errors():
@@ -180,14 +187,14 @@ def export(
         if checkpoint is not None:
             from .mesh import export_checkpoint
 
-            path = export_checkpoint(checkpoint, out)
+            path = export_checkpoint(checkpoint, out, average=average)
         else:
             if config is None:
                 raise ConfigError("export --initial-peers needs --config RUN.toml (the run's config)")
             cfg = load_config(config, list(set_ or []))
             from .node.inspect import export_from_swarm
 
-            path = export_from_swarm(cfg, list(initial_peers), out, cache_dir_from(cache_dir))["out"]
+            path = export_from_swarm(cfg, list(initial_peers), out, cache_dir_from(cache_dir), average)["out"]
     typer.echo(f"wrote {path}")
 
 

@@ -2,7 +2,9 @@
 
 The lm_head was untied from the embeddings when the model was cut, and training moved the two
 apart, so the exported config says ``tie_word_embeddings = false``. Replica 0's weights are written
-(after a DP sync all replicas hold the same start weights; between syncs they differ slightly).
+(after a DP sync all replicas hold the same start weights; between syncs they differ, and with
+``dp.keep_residual`` each also keeps what its rounds did not send), or with ``average`` the replicas' exact
+mean (what one closing uncompressed all-reduce would leave them with).
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ from pathlib import Path
 import torch
 
 from ..errors import brief
-from ..model import assemble_hf_model, cut_model
+from ..model import assemble_hf_model, average_state_dicts, cut_model
 from .trainer import CheckpointError, checkpoint_to_load, read_checkpoint_meta, read_stage_weights
 
 logger = logging.getLogger(__name__)
 
 
-def export_checkpoint(checkpoint: Path, out: Path, replica: int = 0) -> Path:
+def export_checkpoint(checkpoint: Path, out: Path, replica: int = 0, average: bool = False) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     checkpoint, out = Path(checkpoint), Path(out)
@@ -37,7 +39,15 @@ def export_checkpoint(checkpoint: Path, out: Path, replica: int = 0) -> Path:
         raise CheckpointError(f"checkpoint {checkpoint}: not a model this checkpoint describes ({brief(exc)})"
                               ) from None
     for module in stages.values():
-        module.load_state_dict(read_stage_weights(checkpoint, replica, module))
+        if average:
+            replicas = [read_stage_weights(checkpoint, r, module) for r in range(int(meta["replicas"]))]
+            try:
+                weights = average_state_dicts(replicas)
+            except ValueError as exc:
+                raise CheckpointError(f"checkpoint {checkpoint}: its replicas do not average ({exc})") from None
+        else:
+            weights = read_stage_weights(checkpoint, replica, module)
+        module.load_state_dict(weights)
     model = assemble_hf_model(config, [stages[s] for s in range(stages_n)])
     model.to(torch.float32)
     model.save_pretrained(str(out), safe_serialization=True)

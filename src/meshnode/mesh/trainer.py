@@ -290,6 +290,8 @@ class MeshTrainer:
             "tokens_per_s": trained / wall if wall > 0 else 0.0, "tokens": self.tokens,
             "bytes_per_token": result.bytes_per_token(),
         }
+        if len(self.workers) > 1:  # heldout_loss is replica 0's; the replicas' exact mean is what they hold together
+            final["heldout_loss_mean"] = self.heldout_loss_of_mean()
         emit(final)
         return result
 

@@ -14,6 +14,7 @@ from .loading import (
 from .stages import (
     StageModule,
     assemble_hf_model,
+    average_state_dicts,
     balanced_boundaries,
     cut_model,
     layer_ranges,
@@ -23,7 +24,8 @@ from .stages import (
 )
 
 __all__ = [
-    "SUPPORTED_ARCHITECTURES", "ModelLoadError", "StageModule", "assemble_hf_model", "balanced_boundaries",
+    "SUPPORTED_ARCHITECTURES", "ModelLoadError", "StageModule", "assemble_hf_model", "average_state_dicts",
+    "balanced_boundaries",
     "build_tiny", "cached_smollm2", "check_architecture", "cut_model", "default_cache_dir", "layer_ranges",
     "load_model", "load_stage_state_dict", "smollm2_gguf_path", "stage_costs", "stage_state_dict", "tiny_config",
 ]

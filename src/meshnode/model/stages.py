@@ -221,3 +221,33 @@ def assemble_hf_model(config, stages: Sequence[StageModule]) -> nn.Module:
     if missing or unexpected:
         raise KeyError(f"assembling the model: missing {missing}, unexpected {unexpected}")
     return model
+
+
+def average_state_dicts(states: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """The exact average of several replicas' state dicts (float tensors averaged in float32, then cast back to
+    the first's dtype). ValueError for a mismatch (other names or shapes), a non-finite value, or non-float
+    tensors (buffers) that differ between replicas."""
+    if not states:
+        raise ValueError("nothing to average")
+    ref = states[0]
+    out = {}
+    for name, t in ref.items():
+        ts = [sd.get(name) for sd in states]
+        if any(x is None or x.shape != t.shape for x in ts):
+            raise ValueError(f"{name}: not every replica has it with shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            if any(not torch.equal(x, t) for x in ts):
+                raise ValueError(f"{name}: a non-float tensor that differs between replicas")
+            out[name] = t.clone()
+            continue
+        acc = torch.zeros(t.shape, dtype=torch.float32)
+        for x in ts:
+            acc += x.to(torch.float32)
+        acc /= len(ts)
+        if not bool(torch.isfinite(acc).all()):
+            raise ValueError(f"{name}: non-finite values")
+        out[name] = acc.to(t.dtype)
+    extra = {n for sd in states for n in sd} - ref.keys()
+    if extra:
+        raise ValueError(f"tensors only some replicas have: {sorted(extra)[:3]}")
+    return out

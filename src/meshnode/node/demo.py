@@ -204,12 +204,20 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         result["heldout_loss_before"] = before
         after = heldout_loss_of(cfg, result.pop("weights"), opts.cache_dir)
         result["heldout_loss_after"] = after
+        mean = result.pop("mean_weights")
+        if mean is not None:
+            result["heldout_loss_after_mean"] = heldout_loss_of(cfg, mean, opts.cache_dir)
         console.print(render_table(result.pop("status")))
         if opts.dp_peers > 1:  # how the microbatches were split between the replicas of each stage
             console.print("optimizer steps per replica: " + "; ".join(
                 f"stage {s}: " + ", ".join(str(r["step"]) for r in result["replicas"] if r["stage"] == s)
                 for s in range(cfg.model.stages)))
         console.print(f"held-out loss: before {before:.4f} -> after {after:.4f}")
+        if "heldout_loss_after_mean" in result:
+            counts = ", ".join(f"stage {s}: {m['averaged']}" for s, m in result["mean_from"].items())
+            mean_loss = result["heldout_loss_after_mean"]
+            console.print(f"held-out loss of each stage's replicas' exact mean: {mean_loss:.4f} (replicas averaged: "
+                          f"{counts})")
         bpt = result["bytes_per_token"]
         console.print("bytes per trained token: " + ", ".join(f"{k} {v:.1f}" for k, v in bpt.items()))
         if opts.metrics_out is not None:
@@ -266,7 +274,14 @@ async def _watch(dht, identity, cfg, procs, console: Console, opts: DemoOptions,
     status = status_json(peers, cfg.run_id, cfg.model.stages)
     reader = SwarmReader.__new__(SwarmReader)  # reuse this DHT for the weight fetch
     reader.run_id, reader.dht, reader.client = cfg.run_id, dht, client
-    weights, meta = await reader._stage_weights(cfg.model.stages, 120.0)
+    await client.start()
+    try:
+        weights, meta = await reader.collect_weights(cfg.model.stages, 120.0)
+        # several replicas a stage: also their exact mean (what `meshnode export --average` writes)
+        mean, mean_meta = (await reader.collect_weights(cfg.model.stages, 120.0, average=True)
+                           if opts.dp_peers > 1 else (None, None))
+    finally:
+        await client.p2p.shutdown()
     metrics = []
     for path in sorted(workdir.glob("stage0*.metrics.jsonl")):
         metrics += read_jsonl(path)
@@ -276,7 +291,7 @@ async def _watch(dht, identity, cfg, procs, console: Console, opts: DemoOptions,
         "run": cfg.run_id, "method": opts.method, "steps": cfg.train.steps, "tokens": tokens,
         "tokens_per_s": tokens / wall if wall > 0 else 0.0, "bytes_per_token": bytes_per_token(peers),
         "peers": len([p for p in peers if p.state == "online"]), "weights": weights, "status": status,
-        "weights_from": meta, "replicas": [
+        "weights_from": meta, "mean_weights": mean, "mean_from": mean_meta, "replicas": [
             {"stage": p.stage, "role": p.role, "peer": p.peer_id, "step": p.step, "tokens": p.tokens,
              "capacity": round(p.capacity, 1), "dp_syncs": p.dp_syncs}
             for p in sorted(peers, key=lambda p: (p.stage, p.peer_id)) if p.state == "online" and p.role != "anchor"],

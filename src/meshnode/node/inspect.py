@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from hivemind.p2p import PeerID
 
+from ..model import average_state_dicts
 from ..protocol import keys
 from ..protocol.limits import MIB, WEIGHT_CHUNK_BYTES
 from ..protocol.records import PeerRecord
@@ -26,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 
 class SwarmReader:
-    """A client-mode DHT joined to a swarm, for reading (use as a context manager)."""
+    """A client-mode DHT joined to a swarm, for reading (use as a context manager). One weight fetch per reader
+    (:meth:`stage_weights` or :meth:`peer_weights`): each starts the client's p2p and shuts it down."""
 
     def __init__(self, initial_peers: list[str], run_id: str, timeout: float = 30.0):
         if not initial_peers:
@@ -46,46 +48,101 @@ class SwarmReader:
     def peers(self) -> list[PeerRecord]:
         return asyncio.run(self.client.refresh(full=True))
 
-    def stage_weights(self, stages: int | None = None, timeout: float = 120.0) -> tuple[dict[int, dict], dict]:
-        """``({stage: state_dict}, {stage: meta})`` from one online peer per stage; raises when a stage has none."""
-        return asyncio.run(self._stage_weights(stages, timeout))
+    def stage_weights(self, stages: int | None = None, timeout: float = 120.0,
+                      average: bool = False) -> tuple[dict[int, dict], dict]:
+        """``({stage: state_dict}, {stage: meta})`` from one online peer per stage; raises when a stage has none.
+        ``average``: each stage's weights are the exact average of its replicas that keep up with its DP syncs
+        (:func:`replicas_to_average`), what one closing uncompressed all-reduce would leave them with; with
+        ``dp.keep_residual`` the replicas differ by what their rounds did not send, and their mean scored as
+        well as uncompressed DP in the mesh (docs/quality.md, thirty-fifth session)."""
+        return asyncio.run(self._stage_weights(stages, timeout, average))
 
-    async def _stage_weights(self, stages: int | None, timeout: float):
+    def peer_weights(self, peer_ids: list[str], timeout: float = 120.0) -> list[dict[str, torch.Tensor]]:
+        """Each named peer's current weights of its stage (like :meth:`stage_weights`, once per reader)."""
+        async def fetch():
+            await self.client.start()
+            try:
+                return [(await self._fetch(p, timeout))[0] for p in peer_ids]
+            finally:
+                await self.client.p2p.shutdown()
+
+        return asyncio.run(fetch())
+
+    async def _fetch(self, peer_id: str, timeout: float) -> tuple[dict[str, torch.Tensor], dict]:
+        chunks = []
+        async for item in stream_rpc(
+            self.client.p2p, PeerID.from_base58(peer_id), f"{self.run_id}.rpc_get_weights",
+            {"run": self.run_id}, max_bytes=WEIGHT_CHUNK_BYTES + 4 * MIB, timeout=timeout,
+        ):
+            chunks.append(item)
+        return weights_from_chunks(chunks), {"peer": peer_id, "opt_step": chunks[-1].get("opt_step"),
+                                             "dp_syncs": chunks[-1].get("dp_syncs")}
+
+    async def _stage_weights(self, stages: int | None, timeout: float, average: bool = False):
         await self.client.start()
         try:
-            peers = await self.client.refresh(full=True)
-            n = stages if stages is not None else num_stages_of(peers)
-            if n == 0:
-                raise SwarmError(f"no peer of run {self.run_id} is online")
-            out, meta = {}, {}
-            for s in range(n):
-                cands = sorted(
-                    (p for p in peers if p.stage == s and p.role in ("fast", "driver") and p.state == "online"),
-                    key=lambda p: (-p.dp_syncs, -p.step),  # the freshest DP sync first
-                )
-                if not cands:
-                    raise SwarmError(f"stage {s} has no online peer: cannot fetch its weights")
-                last: Exception | None = None
-                for p in cands[:3]:
-                    try:
-                        chunks = []
-                        async for item in stream_rpc(
-                            self.client.p2p, PeerID.from_base58(p.peer_id), f"{self.run_id}.rpc_get_weights",
-                            {"run": self.run_id}, max_bytes=WEIGHT_CHUNK_BYTES + 4 * MIB, timeout=timeout,
-                        ):
-                            chunks.append(item)
-                        out[s] = weights_from_chunks(chunks)
-                        meta[s] = {"peer": p.peer_id, "opt_step": chunks[-1].get("opt_step"),
-                                   "dp_syncs": chunks[-1].get("dp_syncs")}
-                        break
-                    except Exception as exc:
-                        last = exc
-                        logger.warning("weights of stage %d from %s failed: %r", s, p.peer_id[-8:], exc)
-                if s not in out:
-                    raise SwarmError(f"stage {s}: no peer returned its weights ({last})")
-            return out, meta
+            return await self.collect_weights(stages, timeout, average)
         finally:
             await self.client.p2p.shutdown()
+
+    async def collect_weights(self, stages: int | None, timeout: float, average: bool = False):
+        """:meth:`stage_weights` on a started client (which it leaves running)."""
+        peers = await self.client.refresh(full=True)
+        n = stages if stages is not None else num_stages_of(peers)
+        if n == 0:
+            raise SwarmError(f"no peer of run {self.run_id} is online")
+        out, meta = {}, {}
+        for s in range(n):
+            cands = sorted(
+                (p for p in peers if p.stage == s and p.role in ("fast", "driver") and p.state == "online"),
+                key=lambda p: (-p.dp_syncs, -p.step),  # the freshest DP sync first
+            )
+            if not cands:
+                raise SwarmError(f"stage {s} has no online peer: cannot fetch its weights")
+            got: list[tuple[dict, dict]] = []
+            last: Exception | None = None
+            for p in replicas_to_average(cands) if average else cands[:3]:
+                try:
+                    got.append(await self._fetch(p.peer_id, timeout))
+                except Exception as exc:
+                    last = exc
+                    logger.warning("weights of stage %d from %s failed: %r", s, p.peer_id[-8:], exc)
+                    continue
+                if not average:
+                    break
+            if not got:
+                raise SwarmError(f"stage {s}: no peer returned its weights ({last})")
+            if not average:
+                out[s], meta[s] = got[0]
+                continue
+            kept = [(w, m) for w, m in got if _same_layout(w, got[0][0], s, m["peer"])]
+            out[s] = average_state_dicts([w for w, _ in kept])
+            meta[s] = {"peers": [m["peer"] for _, m in kept], "opt_steps": [m["opt_step"] for _, m in kept],
+                       "dp_syncs": kept[0][1]["dp_syncs"], "averaged": len(kept)}
+        return out, meta
+
+
+MAX_AVERAGED = 8  # replicas of a stage an averaged fetch takes at most (the freshest first)
+
+
+def replicas_to_average(cands: list[PeerRecord]) -> list[PeerRecord]:
+    """The replicas of a stage whose weights an averaged fetch takes (``cands`` sorted freshest DP sync first):
+    those that trained at least one step and applied at least as many DP syncs as the freshest one less, at most
+    :data:`MAX_AVERAGED`; the freshest alone if no other qualifies. One sync behind is a round a replica missed
+    or ran alone (the tiny demo's drivers ended at 5 and 4); a replica further behind is not keeping up with the
+    group (it joined late, or its rounds fail) and is left out rather than pulling the mean back, and so is one
+    that never trained (step 0: the pretrained weights)."""
+    top = cands[0]
+    near = [p for p in cands if p.dp_syncs >= top.dp_syncs - 1 and p.step > 0]
+    return near[:MAX_AVERAGED] or [top]
+
+
+def _same_layout(w: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], stage: int, peer: str) -> bool:
+    if w.keys() == ref.keys() and all(w[k].shape == ref[k].shape for k in ref):
+        return True
+    logger.warning("stage %d: %s's weights have another layout than the first replica's; not averaged", stage,
+                   peer[-8:])
+    return False
 
 
 def fetch_status(initial_peers: list[str], run_id: str, timeout: float = 30.0) -> list[PeerRecord]:
@@ -117,14 +174,15 @@ def heldout_loss_of(cfg, stage_weights: dict[int, dict[str, torch.Tensor]] | Non
     return total / len(batches)
 
 
-def export_from_swarm(cfg, initial_peers: list[str], out, cache_dir=None) -> dict[str, Any]:
-    """Fetch every stage's weights from the swarm and write a Hugging Face directory."""
+def export_from_swarm(cfg, initial_peers: list[str], out, cache_dir=None, average: bool = False) -> dict[str, Any]:
+    """Fetch every stage's weights from the swarm (``average``: the mean of its replicas that keep up with its DP
+    syncs, :func:`replicas_to_average`) and write a Hugging Face directory."""
     from pathlib import Path
 
     from ..model import assemble_hf_model, cut_model, load_model
 
     with SwarmReader(initial_peers, cfg.run_id) as reader:
-        weights, meta = reader.stage_weights(cfg.model.stages)
+        weights, meta = reader.stage_weights(cfg.model.stages, average=average)
     model, hf_tok = load_model(cfg.model, cache_dir)
     config = model.config
     stages = cut_model(model, cfg.model.stages, cfg.model.boundaries)
@@ -140,4 +198,4 @@ def export_from_swarm(cfg, initial_peers: list[str], out, cache_dir=None) -> dic
     return {"out": str(out), "stages": meta}
 
 
-__all__ = ["SwarmReader", "export_from_swarm", "fetch_status", "heldout_loss_of"]
+__all__ = ["SwarmReader", "export_from_swarm", "fetch_status", "heldout_loss_of", "replicas_to_average"]
