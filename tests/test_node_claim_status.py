@@ -975,7 +975,7 @@ def test_a_slowed_host_announces_a_lower_capacity():
     assert host.compute_s - before < 0.01  # a failed call is not held
 
 
-def test_an_averaged_fetch_takes_the_replicas_that_applied_the_newest_sync():
+def test_an_averaged_fetch_takes_the_replicas_that_keep_up_with_the_syncs():
     from meshnode.node.inspect import MAX_AVERAGED, replicas_to_average
 
     def r(pid, syncs, step):
