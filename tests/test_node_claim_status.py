@@ -988,3 +988,13 @@ def test_an_averaged_fetch_takes_the_replicas_that_keep_up_with_the_syncs():
     assert [p.peer_id for p in replicas_to_average([r("a", 0, 0), r("b", 0, 0)])] == ["a"]  # the freshest alone
     many = [r(str(i), 2, 10) for i in range(MAX_AVERAGED + 3)]
     assert len(replicas_to_average(many)) == MAX_AVERAGED
+
+
+def test_a_replica_with_another_layout_or_non_finite_weights_is_left_out_of_the_mean():
+    from meshnode.node.inspect import usable_replica
+
+    ref = {"w": torch.ones(2, 3), "n": torch.tensor([1])}
+    assert usable_replica({"w": torch.zeros(2, 3), "n": torch.tensor([1])}, ref, 1, "peer")
+    assert not usable_replica({"w": torch.zeros(3, 2), "n": torch.tensor([1])}, ref, 1, "peer")
+    assert not usable_replica({"w": torch.zeros(2, 3)}, ref, 1, "peer")
+    assert not usable_replica({"w": torch.full((2, 3), float("inf")), "n": torch.tensor([1])}, ref, 1, "peer")

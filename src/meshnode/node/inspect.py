@@ -115,7 +115,9 @@ class SwarmReader:
             if not average:
                 out[s], meta[s] = got[0]
                 continue
-            kept = [(w, m) for w, m in got if _same_layout(w, got[0][0], s, m["peer"])]
+            kept = [(w, m) for w, m in got if usable_replica(w, got[0][0], s, m["peer"])]
+            if not kept:
+                raise SwarmError(f"stage {s}: no replica's weights are usable (see the warnings)")
             out[s] = average_state_dicts([w for w, _ in kept])
             meta[s] = {"peers": [m["peer"] for _, m in kept], "opt_steps": [m["opt_step"] for _, m in kept],
                        "dp_syncs": kept[0][1]["dp_syncs"], "averaged": len(kept)}
@@ -137,11 +139,16 @@ def replicas_to_average(cands: list[PeerRecord]) -> list[PeerRecord]:
     return near[:MAX_AVERAGED] or [top]
 
 
-def _same_layout(w: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], stage: int, peer: str) -> bool:
-    if w.keys() == ref.keys() and all(w[k].shape == ref[k].shape for k in ref):
+def usable_replica(w: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], stage: int, peer: str) -> bool:
+    """Whether a replica's weights can go into a stage's mean: the first replica's names and shapes, and finite
+    floats. Otherwise a warning, and it is left out (one bad replica does not spoil the export)."""
+    if w.keys() != ref.keys() or any(w[k].shape != ref[k].shape for k in ref):
+        why = "another layout than the first replica's"
+    elif any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in w.values()):
+        why = "non-finite values"
+    else:
         return True
-    logger.warning("stage %d: %s's weights have another layout than the first replica's; not averaged", stage,
-                   peer[-8:])
+    logger.warning("stage %d: %s's weights have %s; not averaged", stage, peer[-8:], why)
     return False
 
 
