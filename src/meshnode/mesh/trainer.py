@@ -38,7 +38,7 @@ from ..compression import ByteCounter
 from ..config import RunConfig, check_model_width
 from ..data import BatchSource, heldout_batches, make_tokenizer, prepare_corpus
 from ..errors import brief
-from ..model import StageModule, cut_model, load_model
+from ..model import StageModule, average_state_dicts, cut_model, load_model
 from ..optim import lr_at
 from ..stage import MicrobatchId, ReferenceModel, StageWorker, causal_lm_loss
 
@@ -236,11 +236,9 @@ class MeshTrainer:
         for s, w in enumerate(self.workers[0]):
             params = dict(w.module.named_parameters())
             kept.append({n: p.detach().clone() for n, p in params.items()})
-            others = [dict(row[s].module.named_parameters()) for row in self.workers[1:]]
+            mean = average_state_dicts([dict(row[s].module.named_parameters()) for row in self.workers])
             for n, p in params.items():
-                for o in others:
-                    p.add_(o[n])
-                p.div_(len(self.workers))
+                p.copy_(mean[n])
         try:
             return self.heldout_loss(0, batches)
         finally:
