@@ -998,3 +998,21 @@ def test_a_replica_with_another_layout_or_non_finite_weights_is_left_out_of_the_
     assert not usable_replica({"w": torch.zeros(3, 2), "n": torch.tensor([1])}, ref, 1, "peer")
     assert not usable_replica({"w": torch.zeros(2, 3)}, ref, 1, "peer")
     assert not usable_replica({"w": torch.full((2, 3), float("inf")), "n": torch.tensor([1])}, ref, 1, "peer")
+
+
+def test_one_fetch_of_a_stages_replicas_gives_both_the_first_replica_and_their_mean():
+    """The demo fetches each stage's replicas once and takes from them one peer's weights and the replicas' mean."""
+    from meshnode.node.inspect import reduce_replicas
+
+    def meta(peer, step):
+        return {"peer": peer, "opt_step": step, "dp_syncs": 3}
+
+    replicas = {0: [({"w": torch.tensor([1.0, 2.0])}, meta("a", 30)),
+                    ({"w": torch.tensor([3.0, 6.0])}, meta("b", 29))],
+                1: [({"w": torch.tensor([5.0])}, meta("c", 30))]}
+    first, first_meta = reduce_replicas(replicas, average=False)
+    assert torch.equal(first[0]["w"], torch.tensor([1.0, 2.0])) and first_meta[0]["peer"] == "a"
+    mean, mean_meta = reduce_replicas(replicas, average=True)
+    assert torch.equal(mean[0]["w"], torch.tensor([2.0, 4.0])) and torch.equal(mean[1]["w"], torch.tensor([5.0]))
+    assert mean_meta[0] == {"peers": ["a", "b"], "opt_steps": [30, 29], "dp_syncs": 3, "averaged": 2}
+    assert mean_meta[1]["averaged"] == 1

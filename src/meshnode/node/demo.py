@@ -234,7 +234,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
 async def _watch(dht, identity, cfg, procs, console: Console, opts: DemoOptions, workdir: Path) -> dict[str, Any]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .inspect import SwarmReader
+    from .inspect import SwarmReader, reduce_replicas
 
     client = SwarmClient(dht, cfg.run_id, identity)
     deadline = time.monotonic() + opts.train_timeout
@@ -276,10 +276,11 @@ async def _watch(dht, identity, cfg, procs, console: Console, opts: DemoOptions,
     reader.run_id, reader.dht, reader.client = cfg.run_id, dht, client
     await client.start()
     try:
-        weights, meta = await reader.collect_weights(cfg.model.stages, 120.0)
-        # several replicas a stage: also their exact mean (what `meshnode export --average` writes)
-        mean, mean_meta = (await reader.collect_weights(cfg.model.stages, 120.0, average=True)
-                           if opts.dp_peers > 1 else (None, None))
+        # several replicas a stage: one fetch of them all gives one peer's weights (the first) and their exact
+        # mean (what `meshnode export --average` writes)
+        replicas = await reader.collect_replicas(cfg.model.stages, 120.0, average=opts.dp_peers > 1)
+        weights, meta = reduce_replicas(replicas, average=False)
+        mean, mean_meta = reduce_replicas(replicas, average=True) if opts.dp_peers > 1 else (None, None)
     finally:
         await client.p2p.shutdown()
     metrics = []

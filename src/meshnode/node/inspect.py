@@ -87,11 +87,21 @@ class SwarmReader:
 
     async def collect_weights(self, stages: int | None, timeout: float, average: bool = False):
         """:meth:`stage_weights` on a started client (which it leaves running)."""
+        return reduce_replicas(await self.collect_replicas(stages, timeout, average), average)
+
+    async def collect_replicas(self, stages: int | None, timeout: float, average: bool = False
+                               ) -> dict[int, list[tuple[dict[str, torch.Tensor], dict]]]:
+        """Each stage's fetched replicas as (weights, meta), the freshest DP sync first, on a started client.
+
+        Without ``average`` one replica a stage (the first of up to 3 candidates that answers); with it the
+        replicas :func:`replicas_to_average` picks, those :func:`usable_replica` rejects left out (the first one
+        answering is the reference layout). A stage with no online peer or no usable answer is a
+        :class:`SwarmError`."""
         peers = await self.client.refresh(full=True)
         n = stages if stages is not None else num_stages_of(peers)
         if n == 0:
             raise SwarmError(f"no peer of run {self.run_id} is online")
-        out, meta = {}, {}
+        out: dict[int, list[tuple[dict[str, torch.Tensor], dict]]] = {}
         for s in range(n):
             cands = sorted(
                 (p for p in peers if p.stage == s and p.role in ("fast", "driver") and p.state == "online"),
@@ -112,16 +122,24 @@ class SwarmReader:
                     break
             if not got:
                 raise SwarmError(f"stage {s}: no peer returned its weights ({last})")
-            if not average:
-                out[s], meta[s] = got[0]
-                continue
-            kept = [(w, m) for w, m in got if usable_replica(w, got[0][0], s, m["peer"])]
-            if not kept:
+            out[s] = [(w, m) for w, m in got if usable_replica(w, got[0][0], s, m["peer"])] if average else got
+            if not out[s]:
                 raise SwarmError(f"stage {s}: no replica's weights are usable (see the warnings)")
-            out[s] = average_state_dicts([w for w, _ in kept])
-            meta[s] = {"peers": [m["peer"] for _, m in kept], "opt_steps": [m["opt_step"] for _, m in kept],
-                       "dp_syncs": kept[0][1]["dp_syncs"], "averaged": len(kept)}
-        return out, meta
+        return out
+
+
+def reduce_replicas(replicas: dict[int, list[tuple[dict[str, torch.Tensor], dict]]], average: bool):
+    """(weights, meta) by stage from :meth:`SwarmReader.collect_replicas`: each stage's first replica as it is,
+    or with ``average`` the exact float32 mean of its replicas (meta: the peers, their steps, how many)."""
+    out, meta = {}, {}
+    for s, kept in replicas.items():
+        if not average:
+            out[s], meta[s] = kept[0]
+            continue
+        out[s] = average_state_dicts([w for w, _ in kept])
+        meta[s] = {"peers": [m["peer"] for _, m in kept], "opt_steps": [m["opt_step"] for _, m in kept],
+                   "dp_syncs": kept[0][1]["dp_syncs"], "averaged": len(kept)}
+    return out, meta
 
 
 MAX_AVERAGED = 8  # replicas of a stage an averaged fetch takes at most (the freshest first)
@@ -205,4 +223,5 @@ def export_from_swarm(cfg, initial_peers: list[str], out, cache_dir=None, averag
     return {"out": str(out), "stages": meta}
 
 
-__all__ = ["SwarmReader", "export_from_swarm", "fetch_status", "heldout_loss_of", "replicas_to_average"]
+__all__ = ["SwarmReader", "export_from_swarm", "fetch_status", "heldout_loss_of", "reduce_replicas",
+           "replicas_to_average"]
