@@ -312,12 +312,28 @@ VARIANTS: dict[str, list[str]] = {
     # half the tokens): what a DP replica would reach if its syncs brought it nothing
     "dense_b16": ["train.batch_size=4", "train.microbatches=4"],
 }
+# the codes alone at that batch (thirty-sixth session): do they cost over dense_b32 what they cost at the table's
+# batch (+0.8-0.9 %), or the +1.1-1.6 % they cost over the DP rows?
+VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_b32"] = [
+    *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8"], *B32]
+# the same with the first fit after step 2 instead of 10: at this batch the 1-bit warm-up before the first fit
+# spans 80 of the table's steps' tokens, and the row was already +1.3 % at step 15
+VARIANTS["rotq1_refmap64_tc288_g72_p10_first2_fisher_f8_log8_b32"] = [
+    *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_b32"], "mask.reference_map_first=2"]
+# and with the fits' statistics decayed by 0.7 a step (mask.reference_fit_decay): a fit follows the last ~3 steps
+# instead of all 10 since the last one, so the fit in use is younger at the same period and bytes
+VARIANTS["rotq1_refmap64_tc288_g72_p10_d7_fisher_f8_log8_b32"] = [
+    *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_b32"], "mask.reference_fit_decay=0.7"]
+VARIANTS["rotq1_refmap64_tc288_g72_p10_first2_d7_fisher_f8_log8_b32"] = [
+    *VARIANTS["rotq1_refmap64_tc288_g72_p10_first2_fisher_f8_log8_b32"], "mask.reference_fit_decay=0.7"]
 VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r2_h20_b32"] = [
     *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8"], *DP, *DP_B32]
 VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r2_h20_kr_b32"] = [
     *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r2_h20_b32"], "dp.keep_residual=true"]
 VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r1_h20_kr_b32"] = [
     *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r2_h20_kr_b32"], "dp.rank=1"]
+VARIANTS["rotq1_refmap64_tc288_g72_p10_first2_fisher_f8_log8_dp_r1_h20_kr_b32"] = [
+    *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r1_h20_kr_b32"], "mask.reference_map_first=2"]
 TABLE = ["dense", "dense_dp", "m90", "m90_ap", "m95", "m95_ap", "m95_ap_dp", "topk", "int8"]
 
 logger = logging.getLogger("quality_table")

@@ -55,6 +55,30 @@ def test_the_map_recovers_a_planted_low_rank_linear_residual():
     assert 0.2 < _centred_err(low.predict(x), r) < 1.0
 
 
+def test_a_decayed_fit_follows_the_latest_steps():
+    """``ResidualMap.decay``: with the statistics decayed between steps, a fit follows the map of the steps just
+    before it (the relation changed half-way, as training moves it); undecayed, it fits their mix."""
+    gen = torch.Generator().manual_seed(1)
+    old, new = (torch.randn(H, 4, generator=gen) @ torch.randn(4, H, generator=gen) / H for _ in range(2))
+    old[3] /= 100.0
+    new[3] /= 100.0
+    fits = {}
+    for factor in (1.0, 0.3):
+        m = ResidualMap(H, 8)
+        for step in range(6):
+            for _ in range(4):
+                m.observe(*_planted(gen, old if step < 3 else new))
+            if step < 5:
+                m.decay(factor)
+        assert m.refit()
+        fits[factor] = m
+    x, r_new = _planted(gen, new)
+    err = {f: _centred_err(m.predict(x), r_new) for f, m in fits.items()}
+    assert err[0.3] < 0.15 < 0.3 < err[1.0]
+    with pytest.raises(ValueError, match="decay"):
+        fits[1.0].decay(0.0)
+
+
 def test_a_map_travels_once_and_the_receiver_predicts_the_same():
     gen = torch.Generator().manual_seed(1)
     true_map = torch.randn(H, H, generator=gen) / H
@@ -178,6 +202,29 @@ def test_the_first_fit_can_come_before_the_period(tiny_cfg, cache_dir):
         tiny_cfg(*MAPPED, "mask.reference_map_rank=4", "mask.reference_map_first=-1")
     with pytest.raises(ConfigError, match="reference_map_first sets when"):  # nothing is fitted: a mistake
         tiny_cfg(*MAPPED, "mask.reference_map_first=10")
+
+
+def test_a_worker_decays_its_fit_statistics_each_step_that_does_not_refit(tiny_cfg, cache_dir):
+    """``mask.reference_fit_decay``: a step without a fit multiplies the sender's statistics (the map's and the
+    gradient code's) by the factor; a fit starts them afresh; 1 (the default) leaves them summed."""
+    both = (*MAPPED, "mask.reference=both", "mask.reference_map_rank=4", "mask.reference_map_period=3",
+            "mask.reference_grad_code_bits=16")
+    tokens = {}
+    for decay in (1.0, 0.5):
+        t = MeshTrainer(tiny_cfg(*both, f"mask.reference_fit_decay={decay}"), cache_dir)
+        seen = []
+        for _ in range(3):
+            t.train_step()
+            seen.append((t.workers[0][0].map_out.tokens, t.workers[0][1].gcode_out.tokens))
+        tokens[decay] = seen
+    (a1, g1), (a2, g2), (a3, g3) = tokens[1.0]
+    assert a1 > 0 and g1 > 0 and a2 == 2 * a1 and g2 == 2 * g1 and a3 == g3 == 0  # refit after the third step
+    assert tokens[0.5] == [(a1 / 2, g1 / 2), (a1 * 3 / 4, g1 * 3 / 4), (0, 0)]
+    for bad in ("0", "1.5"):
+        with pytest.raises(ConfigError, match="reference_fit_decay"):
+            tiny_cfg(*both, f"mask.reference_fit_decay={bad}")
+    with pytest.raises(ConfigError, match="reference_fit_decay sets how"):  # nothing is fitted: a mistake
+        tiny_cfg(*MAPPED, "mask.reference_fit_decay=0.5")
 
 
 def test_a_worker_refuses_a_map_it_never_got_or_does_not_use(tiny_cfg, cache_dir):

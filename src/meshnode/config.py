@@ -139,6 +139,10 @@ class MaskConfig:
     # the step after which the first fit comes (the warm-up before it codes by rotq alone); later fits follow every
     # ``reference_map_period`` steps after it. 0 = the period itself (a longer period delays the first fit too)
     reference_map_first: int = 0
+    # each step the statistics a fit will be solved from are multiplied by this (1 = every step since the last fit
+    # weighs the same): below 1 a fit follows the steps just before it more than those a period ago, so the fit a
+    # receiver uses for the next period is younger, at no bytes (e.g. 0.7: the last ~3 steps carry most weight)
+    reference_fit_decay: float = 1.0
     # with a reference and rotq: the sender also fits a transform code (a KLT of what it codes, bits by variance;
     # meshnode.compression.transform) at the same period, ships it with the map, and codes the activation in this
     # many bits per token instead of rotq's ``bits`` x H (rotq before the first fit); 0 = off
@@ -326,6 +330,7 @@ _RANGES = {  # key: (low, high, inclusive-high)
     "data.heldout_fraction": (0.0, 1.0, False),
     "train.min_lr_ratio": (0.0, 1.0, True),
     "dp.outer_momentum": (0.0, 1.0, False),
+    "mask.reference_fit_decay": (0.0, 1.0, True),
 }
 
 _POSITIVE = {
@@ -333,7 +338,7 @@ _POSITIVE = {
     "model.tiny_intermediate", "model.tiny_vocab", "data.seq_len", "train.batch_size", "train.microbatches",
     "train.eval_batches", "anchor.period", "anchor.max_staleness", "dp.replicas", "dp.inner_steps", "dp.rank",
     "dp.fragments", "spectral.clean_every", "dp.round_timeout", "dp.matchmaking_time", "mask.reference_map_period",
-    "mask.reference_tolerance",
+    "mask.reference_tolerance", "mask.reference_fit_decay",
 }
 _NON_NEGATIVE = {
     "train.steps", "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every",
@@ -465,7 +470,8 @@ def _cross_check(cfg: RunConfig) -> None:
     fits = cfg.mask.reference_map_rank or cfg.mask.reference_code_bits or cfg.mask.reference_grad_code_bits
     for key, what, unset in (("reference_fit_bits", "how a residual map or transform code travels", 16),
                              ("reference_basis_bits", "how a transform code's basis travels", 0),
-                             ("reference_map_first", "when a residual map or transform code is first fitted", 0)):
+                             ("reference_map_first", "when a residual map or transform code is first fitted", 0),
+                             ("reference_fit_decay", "how a fit weighs the steps since the last one", 1.0)):
         if getattr(cfg.mask, key) != unset and not fits:
             raise ConfigError(f"mask.{key} sets {what}: it needs mask.reference_map_rank, mask.reference_code_bits "
                               "or mask.reference_grad_code_bits")

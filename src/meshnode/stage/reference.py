@@ -448,7 +448,23 @@ class ResidualMap:
         self.history = history
         for k, t in state["stats"].items():
             setattr(self, k, t.detach().to("cpu", torch.float64).clone())
-        self.tokens, self.grad_tokens = int(state["tokens"]), int(state["grad_tokens"])
+        self.tokens, self.grad_tokens = float(state["tokens"]), float(state["grad_tokens"])
+
+    @torch.no_grad()
+    def decay(self, factor: float) -> None:
+        """Multiply the statistics gathered since the last fit by ``factor`` in (0, 1] (``mask.reference_fit_decay``,
+        once a step that did not refit): the next fit then weighs a step ``a`` steps before it by ``factor ** a``,
+        and its ridge and minimum sample count by the weighted token count."""
+        if not 0.0 < factor <= 1.0:
+            raise ValueError(f"residual map: decay factor must be in (0, 1], got {factor}")
+        if factor == 1.0:
+            return
+        for k in self._STATS:
+            t = getattr(self, k)
+            if t is not None:
+                t.mul_(factor)
+        self.tokens *= factor
+        self.grad_tokens *= factor
 
     @torch.no_grad()
     def observe_grad(self, grad: Tensor) -> None:
@@ -516,7 +532,7 @@ class ResidualMap:
         self._reset()
         self.refit_error = None
         if n < 2 * self.hidden:
-            self.refit_error = f"{n} tokens since the last fit, fewer than twice the width ({2 * self.hidden})"
+            self.refit_error = f"{n:.0f} tokens since the last fit, fewer than twice the width ({2 * self.hidden})"
             return False
         u = v = tf = None
         # what travels, when any matrix goes in 8 or 4 bits (else the fit's own tensors)

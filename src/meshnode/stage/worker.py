@@ -578,6 +578,10 @@ class StageWorker:
                                        what, step, fit.refit_error, fit.version)
                 except Exception:
                     logger.exception("stage %d: %s refit failed; keeping version %d", self.index, what, fit.version)
+        elif self.cfg.mask.reference_fit_decay < 1.0:  # older steps weigh less in the next fit
+            for fit in (self.map_out, self.gcode_out):
+                if fit is not None:
+                    fit.decay(self.cfg.mask.reference_fit_decay)
         stats = {
             "loss": self.step_stats.loss_sum / max(1, self.step_stats.microbatches),
             "tokens": self.step_stats.tokens,
