@@ -462,6 +462,8 @@ def render(path: Path) -> None:
     lines = [head + ", ".join(f"`{c}`" for c in commands), "",
              f"{data.get('steps')} steps of batch {data.get('batch')} per variant (same tokens for all), "
              f"held-out loss evaluated unmasked on {data.get('eval_batches')} batches of each corpus.", ""]
+    if data.get("note"):  # what a merged file holds beside its command's rows
+        lines += [data["note"], ""]
     for task, runs in data["tasks"].items():
         before = data.get("before", {}).get(task, {})
         dense = runs.get("dense", {})

@@ -126,3 +126,8 @@ def test_a_dp_rows_replica_mean_is_rendered_against_its_dense(tmp_path):
     qt.render(path)
     means = [line for line in path.with_suffix(".md").read_text().splitlines() if line.startswith("- ")]
     assert means == ["- dp_b32: linux-doc 2.050 (+2.5%), sotu 2.900"]
+    # a merged file's note (what it holds beside its command's rows) is rendered under the header
+    path.write_text(json.dumps({"steps": 60, "batch": [4, 256], "eval_batches": 8, "note": "rows merged from X",
+                                "tasks": {"domain": runs}}))
+    qt.render(path)
+    assert "rows merged from X" in path.with_suffix(".md").read_text().splitlines()
