@@ -21,6 +21,10 @@ held-out batches through the trained model (fp32) and reports, per boundary:
 
 It also prints the compute such a codec would add: the frozen stages each side runs per microbatch.
 
+``--snapshot-ages 10,20`` measures the same against the trained model as it was that many steps before each
+measurement instead of the pretrained one (a reference both ends could hold if every peer followed the stages'
+DP start weights, which are at most H steps old): recorded under ``snapshot_<age>`` beside each step's result.
+
     python scripts/probe_reference_coding.py --steps 60 --out docs/results/probe-reference-coding.json
 """
 
@@ -168,24 +172,38 @@ def main() -> None:
     ap.add_argument("--at", default="0,10,30,60", help="steps at which to measure (comma-separated)")
     ap.add_argument("--eval-batches", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--snapshot-ages", default="", help="also measure against the model this many steps earlier")
     args = ap.parse_args()
     at = sorted({int(s) for s in args.at.split(",") if int(s) <= args.steps})
+    ages = sorted({int(a) for a in args.snapshot_ages.split(",") if a})
     run = DenseProbeRun(args.steps, args.eval_batches)
     codecs = {bits: RotQuantCodec(bits) for bits in BITS}
     rec: dict = {"steps": {}, "train_loss": []}
+    snapshots: dict[int, torch.nn.ModuleList] = {}  # step -> a frozen copy of the stages as they were then
     t0 = time.time()
     for step in range(args.steps + 1):
+        if any(step + a in at for a in ages):
+            snapshots[step] = copy.deepcopy(run.st).requires_grad_(False)
         if step in at:
             run.st.eval()
             res = measure(run.st, run.frozen, run.evals, codecs)
-            rec["steps"][step] = res
             report(step, res)
+            for a in ages:
+                if step - a in snapshots:
+                    snap = snapshots[step - a].eval()
+                    res[f"snapshot_{a}"] = measure(run.st, snap, run.evals, codecs)
+                    print(f"-- against the model of step {step - a} ({a} steps old):")
+                    report(step, res[f"snapshot_{a}"])
+            rec["steps"][step] = res
             run.st.train()
+            for old in [k for k in snapshots if k <= step - max(ages, default=0)]:
+                del snapshots[old]
         if step == args.steps:
             break
         run.train_logged(step, rec, t0)
     save_record(rec, f"python scripts/probe_reference_coding.py --steps {args.steps} --at {args.at} "
-                f"--eval-batches {args.eval_batches}", args.out, t0)
+                f"--eval-batches {args.eval_batches}" + (f" --snapshot-ages {args.snapshot_ages}" if ages else ""),
+                args.out, t0)
 
 
 if __name__ == "__main__":
