@@ -326,6 +326,10 @@ VARIANTS["rotq1_refmap64_tc288_g72_p10_d7_fisher_f8_log8_b32"] = [
     *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_b32"], "mask.reference_fit_decay=0.7"]
 VARIANTS["rotq1_refmap64_tc288_g72_p10_first2_d7_fisher_f8_log8_b32"] = [
     *VARIANTS["rotq1_refmap64_tc288_g72_p10_first2_fisher_f8_log8_b32"], "mask.reference_fit_decay=0.7"]
+# which code costs at this batch: the forward code with the gradient in 4-bit rotq (no gradient code)
+VARIANTS["rotq1_refmap64_tc288_g4_p10_fisher_f8_log8_b32"] = [
+    *REFMAP64_P10, "mask.reference_code_bits=288", "mask.grad_bits=4", "mask.reference_code_metric=fisher",
+    "mask.reference_fit_bits=8", "mask.token_scale=log8", *B32]
 # refitted every 5 steps (the first still after 10): what a fit half as old buys at this batch (5.5 B/token more)
 VARIANTS["rotq1_refmap64_tc288_g72_p5_first10_fisher_f8_log8_b32"] = [
     *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_b32"], "mask.reference_map_period=5",
