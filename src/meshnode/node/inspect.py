@@ -81,13 +81,9 @@ class SwarmReader:
     async def _stage_weights(self, stages: int | None, timeout: float, average: bool = False):
         await self.client.start()
         try:
-            return await self.collect_weights(stages, timeout, average)
+            return reduce_replicas(await self.collect_replicas(stages, timeout, average), average)
         finally:
             await self.client.p2p.shutdown()
-
-    async def collect_weights(self, stages: int | None, timeout: float, average: bool = False):
-        """:meth:`stage_weights` on a started client (which it leaves running)."""
-        return reduce_replicas(await self.collect_replicas(stages, timeout, average), average)
 
     async def collect_replicas(self, stages: int | None, timeout: float, average: bool = False
                                ) -> dict[int, list[tuple[dict[str, torch.Tensor], dict]]]:
