@@ -334,6 +334,20 @@ VARIANTS["rotq1_refmap64_tc288_g4_p10_fisher_f8_log8_b32"] = [
 VARIANTS["rotq1_refmap64_tc288_g72_p5_first10_fisher_f8_log8_b32"] = [
     *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_b32"], "mask.reference_map_period=5",
     "mask.reference_map_first=10"]
+# the codes against a reference that follows training (thirty-seventh session; mask.reference_refresh): every 10
+# steps the reference takes the live weights (one replica: the upper bound of following DP's start weights; its
+# ``ref`` bytes are a bfloat16 copy of each stage per follower, not what the swarm would pay), each fit 3 steps after
+# a refresh (the maps are dropped at it; the codes stay until the fit)
+VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_rr10_fisher_f8_log8_b32"] = [
+    *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_b32"], "mask.reference_map_first=3",
+    "mask.reference_refresh=10"]
+# its control: the same fit schedule against the pretrained model
+VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_fisher_f8_log8_b32"] = [
+    *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_b32"], "mask.reference_map_first=3"]
+# the same at the table's batch (4 sequences a step; --steps 60)
+VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_rr10_fisher_f8_log8"] = [
+    *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8"], "mask.reference_map_first=3",
+    "mask.reference_refresh=10"]
 VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r2_h20_b32"] = [
     *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8"], *DP, *DP_B32]
 VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r2_h20_kr_b32"] = [

@@ -24,8 +24,8 @@ from meshnode.compression import (
 
 def test_byte_counter_arithmetic():
     c = ByteCounter()
-    assert AXES == ("pp_fwd", "pp_bwd", "dp", "anchor")
-    assert c.snapshot() == {"pp_fwd": 0, "pp_bwd": 0, "dp": 0, "anchor": 0, "total": 0}
+    assert AXES == ("pp_fwd", "pp_bwd", "dp", "anchor", "ref")
+    assert c.snapshot() == {"pp_fwd": 0, "pp_bwd": 0, "dp": 0, "anchor": 0, "ref": 0, "total": 0}
     c.add("pp_fwd", 100)
     c.add("pp_fwd", 50)
     c.add("pp_bwd", 30)

@@ -299,6 +299,9 @@ def join(
         if cfg.dp.average_moments:
             raise ConfigError("dp.average_moments is an in-process mesh experiment; the swarm's DP averages "
                               "weights only")
+        if cfg.mask.reference_refresh:
+            raise ConfigError("mask.reference_refresh is an in-process mesh experiment; the swarm codes against the "
+                              "pretrained model (its peers do not yet follow every stage's DP rounds)")
         from .node.daemon import JoinOptions, run_join
 
         opts = JoinOptions(

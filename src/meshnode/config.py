@@ -143,6 +143,16 @@ class MaskConfig:
     # weighs the same): below 1 a fit follows the steps just before it more than those a period ago, so the fit a
     # receiver uses for the next period is younger, at no bytes (e.g. 0.7: the last ~3 steps carry most weight)
     reference_fit_decay: float = 1.0
+    # In-process mesh only (an experiment; `meshnode join` refuses it): the reference follows training instead of
+    # staying the pretrained model. After every this many steps it takes the weights then held: with DP each stage's
+    # start weights (the last rounds' result, which every peer can follow from the rounds it receives; counted on the
+    # ``ref`` axis as one replica's share of each round, to every peer of the stages that compute that stage),
+    # without DP the single replica's live weights (an upper bound: counted as a bfloat16 copy of each stage to every
+    # peer that computes it). At each refresh both ends drop the residual maps (they predicted the residual from the
+    # old reference) and the statistics gathered for the next fit; the transform codes stay until it. 0 = never
+    # (the pretrained model throughout). ``scripts/probe_reference_coding.py --snapshot-ages`` measured what a
+    # 10-step-old reference leaves to code (docs/quality.md)
+    reference_refresh: int = 0
     # with a reference and rotq: the sender also fits a transform code (a KLT of what it codes, bits by variance;
     # meshnode.compression.transform) at the same period, ships it with the map, and codes the activation in this
     # many bits per token instead of rotq's ``bits`` x H (rotq before the first fit); 0 = off
@@ -344,7 +354,7 @@ _NON_NEGATIVE = {
     "train.steps", "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every",
     "train.checkpoint_every", "train.threads", "mask.warmup_steps", "spectral.tau", "spectral.rank", "data.max_docs",
     "anchor.batch_size", "dp.outer_lr", "train.eps", "mask.reference_map_rank", "mask.reference_code_bits",
-    "mask.reference_grad_code_bits", "mask.reference_map_first", "mask.reference_check",
+    "mask.reference_grad_code_bits", "mask.reference_map_first", "mask.reference_check", "mask.reference_refresh",
 }
 
 
@@ -475,6 +485,12 @@ def _cross_check(cfg: RunConfig) -> None:
         if getattr(cfg.mask, key) != unset and not fits:
             raise ConfigError(f"mask.{key} sets {what}: it needs mask.reference_map_rank, mask.reference_code_bits "
                               "or mask.reference_grad_code_bits")
+    if cfg.mask.reference_refresh and cfg.mask.reference == "none":
+        raise ConfigError("mask.reference_refresh moves the reference of reference coding: it needs mask.reference = "
+                          "forward | both")
+    if cfg.mask.reference_refresh and not cfg.dp.enabled and cfg.dp.replicas > 1:
+        raise ConfigError("mask.reference_refresh without DP takes one replica's weights: with dp.replicas > 1 it needs "
+                          "dp.enabled = true (the reference then follows the DP start weights every replica shares)")
     if cfg.mask.reference_code_metric != "plain" and not cfg.mask.reference_code_bits:
         raise ConfigError("mask.reference_code_metric weights the activation's transform code: it needs "
                           "mask.reference_code_bits")

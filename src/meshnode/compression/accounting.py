@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import Tensor
 
-AXES: tuple[str, ...] = ("pp_fwd", "pp_bwd", "dp", "anchor")
+AXES: tuple[str, ...] = ("pp_fwd", "pp_bwd", "dp", "anchor", "ref")  # ref: mask.reference_refresh (mesh)
 
 HEADER_BYTES = 64
 """Approximate per-message metadata: the msgpack header beside the raw tensor bytes, i.e. run id

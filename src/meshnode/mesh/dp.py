@@ -20,6 +20,7 @@ import torch
 
 from ..compression import PowerSGDState, powersgd_allreduce
 from ..optim import OuterNesterov, fragments, fragments_due, sync_schedule
+from .refresh import followers
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,9 @@ class MeshDP:
         trainer.counter.add("dp", int(sum(sent)))
         if trainer.cfg.anchor.enabled and trainer.cfg.anchor.snapshot == "dp":
             trainer.counter.add("anchor", int(max(sent)))  # the anchor receives one replica's share of the round
+        if trainer.cfg.mask.reference_refresh:  # every peer whose reference computes this stage receives it too
+            follow = followers(stage, self.num_stages, trainer.cfg.mask.reference)
+            trainer.counter.add("ref", int(max(sent)) * follow * self.replicas)
         self.outer[stage].apply(results[0], live[0])
         for r in range(1, self.replicas):
             for n in names:

@@ -161,10 +161,13 @@ class MeshTrainer:
         # DP and anchor hooks: objects with after_step(trainer, step), state_dict(), load_state_dict()
         from .anchor import maybe_anchor
         from .dp import maybe_dp
+        from .refresh import maybe_reference
 
         self.dp = maybe_dp(self)
         self.anchor = maybe_anchor(self)
-        self.extensions = [e for e in (self.dp, self.anchor) if e is not None]
+        # ``mask.reference_refresh``: the reference follows the weights (after DP's rounds, before the anchor's cycle)
+        self.refresh = maybe_reference(self)
+        self.extensions = [e for e in (self.dp, self.refresh, self.anchor) if e is not None]
 
     # ------------------------------------------------------------------------------------------
 

@@ -115,10 +115,33 @@ class ReferenceModel:
         self.stage_backwards = 0
         self._weights_hash: str | None = None
         self._digests: dict[str, str] = {}  # precision -> digest (every forward request carries one)
+        self.refreshes = 0  # times :meth:`load_weights` moved it (``mask.reference_refresh``)
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Sequence[dict[str, Tensor]]) -> None:
+        """Take new frozen weights, every stage's ``name -> tensor`` (``mask.reference_refresh``: the reference follows
+        training). Every name of every stage must be given with its shape; a ValueError leaves the weights as they
+        were. The held results and the digest are dropped (they were computed from the old weights)."""
+        if len(weights) != self.num_stages:
+            raise ValueError(f"reference weights for {len(weights)} stages, the reference has {self.num_stages}")
+        for s, (m, given) in enumerate(zip(self.stages, weights)):
+            own = dict(m.named_parameters())
+            if set(given) != set(own) or any(tuple(given[n].shape) != tuple(p.shape) for n, p in own.items()):
+                raise ValueError(f"reference weights of stage {s} do not match its parameters (names or shapes)")
+            if not all(bool(torch.isfinite(t).all()) for t in given.values()):
+                raise ValueError(f"reference weights of stage {s} are not finite")
+        for m, given in zip(self.stages, weights):
+            for n, p in m.named_parameters():
+                p.copy_(given[n])
+        self._acts.clear()
+        self._grads.clear()
+        self._weights_hash = None
+        self._digests.clear()
+        self.refreshes += 1
 
     @property
     def digest(self) -> str:
@@ -394,19 +417,19 @@ class ResidualMap:
 
     @property
     def current(self) -> MapFit | None:
-        return self.history[self.version] if self.version else None
+        return self.history.get(self.version)  # None before the first fit, or when forget_map left nothing
 
     @property
     def u(self) -> Tensor | None:
-        return self.current.u if self.version else None
+        return None if self.current is None else self.current.u
 
     @property
     def v(self) -> Tensor | None:
-        return self.current.v if self.version else None
+        return None if self.current is None else self.current.v
 
     @property
     def transform(self) -> Transform | None:
-        return self.current.transform if self.version else None
+        return None if self.current is None else self.current.transform
 
     def _reset(self) -> None:
         def zeros():
@@ -449,6 +472,20 @@ class ResidualMap:
         for k, t in state["stats"].items():
             setattr(self, k, t.detach().to("cpu", torch.float64).clone())
         self.tokens, self.grad_tokens = float(state["tokens"]), float(state["grad_tokens"])
+
+    def forget_map(self) -> None:
+        """The reference moved (``mask.reference_refresh``): drop the map from every fit held (it predicted the residual
+        from the old reference; the transform code stays until the next fit) and the statistics gathered against
+        the old reference. A fit that was a map alone goes, and the sender codes without one until it refits. The
+        receiver does the same to what it holds (:meth:`MapStore.forget_maps`) at the same step. A fit not yet shipped
+        is withdrawn (it was solved against the old reference, and the receiver never held it): the sender goes back
+        to the version before it."""
+        if not self.shipped and self.version in self.history:
+            del self.history[self.version]
+            self.version -= 1
+        self.history = _without_maps(self.history)
+        self.shipped = True  # the receiver holds every version left
+        self._reset()
 
     @torch.no_grad()
     def decay(self, factor: float) -> None:
@@ -573,7 +610,7 @@ class ResidualMap:
     def attach(self, payload: EncodedPayload, ship: bool | None = None) -> EncodedPayload:
         """``payload`` naming the current map (none before the first fit) and carrying it when ``ship`` (None:
         if it has not gone out yet, the mesh's rule: one receiver per sender; a swarm host decides per peer)."""
-        if self.version == 0:
+        if self.current is None:
             return payload
         named = dataclasses.replace(payload, meta={**payload.meta, MAP_META: [self.sender, self.version]})
         if ship or (ship is None and not self.shipped):
@@ -669,6 +706,11 @@ class MapStore:
             for k in [k for k in self.maps if k[0] == oldest]:
                 del self.maps[k]
 
+    def forget_maps(self) -> None:
+        """The reference moved: drop the map from every fit held (as its sender does, :meth:`ResidualMap.forget_map`);
+        a fit that was a map alone goes."""
+        self.maps = _without_maps(self.maps)
+
     def get(self, key: tuple[int, int]) -> MapFit:
         held = self.maps.get(key)
         if held is None:
@@ -694,6 +736,19 @@ class MapStore:
         if state["settings"] != self._settings():
             raise ValueError(f"map store state {state['settings']} does not fit this one {self._settings()}")
         self.maps = OrderedDict(((int(a), int(b)), _fit_from_state(f)) for a, b, f in state["maps"])
+
+
+def _without_maps(fits: OrderedDict) -> OrderedDict:
+    """``fits`` (key -> :class:`MapFit`, in order) with no map: each keeps its transform code (and the part of its
+    wire tensors that carries it), a fit without one goes."""
+    out: OrderedDict = OrderedDict()
+    for key, fit in fits.items():
+        if fit.transform is None:
+            continue
+        wire = None if fit.wire is None else {k: t for k, t in fit.wire.items() if k not in MAP_TENSORS and k not in
+                                              STEP_TENSORS[:len(MAP_TENSORS)]}
+        out[key] = MapFit(None, None, fit.transform, wire)
+    return out
 
 
 def _bits_settings(fits: ResidualMap | MapStore) -> dict:

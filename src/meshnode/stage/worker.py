@@ -279,6 +279,18 @@ class StageWorker:
         return {name: None if getattr(self, name) is None else getattr(self, name).state_dict()
                 for name in ("map_out", "map_in", "gcode_out", "gcode_in")}
 
+    def reference_moved(self) -> None:
+        """The reference this worker codes against took new weights (``mask.reference_refresh``): drop the residual
+        maps both ways (its own, and those it was sent) and the statistics gathered for its next fits; the transform
+        codes stay until the next fit (:meth:`ResidualMap.forget_map`). Called between steps, on every worker at
+        once."""
+        for fit in (self.map_out, self.gcode_out):
+            if fit is not None:
+                fit.forget_map()
+        for held in (self.map_in, self.gcode_in):
+            if held is not None:
+                held.forget_maps()
+
     def load_fit_state(self, state: dict, fresh_sender: bool = False) -> None:
         """Restore :meth:`fit_state` (a resumed run codes as the uninterrupted one); ValueError if it does not fit
         this run's settings. ``fresh_sender``: this stage's own fits under a new sender id (a swarm peer, whose

@@ -1,0 +1,89 @@
+"""The reference follows training (``mask.reference_refresh``, in-process mesh only).
+
+Reference coding (:mod:`meshnode.stage.reference`) codes each boundary against what a frozen model computes for
+the same tokens. With the pretrained model as that reference, what the codes carry grows as training moves away
+from it; ``scripts/probe_reference_coding.py --snapshot-ages`` measured a 10-step-old model leaving 3-9x less to
+code forward and 2-4x less back (``docs/quality.md``). After every ``mask.reference_refresh`` (K) steps,
+:class:`MeshReference` gives the shared :class:`~meshnode.stage.ReferenceModel` new weights and every worker drops
+its residual maps (:meth:`~meshnode.stage.StageWorker.reference_moved`):
+
+- with DP, each stage's start weights (``dp.outer[s].start``: the result of the last rounds, which every replica
+  shares). A swarm peer would follow the rounds of every stage its reference computes, as an anchor with
+  ``anchor.snapshot = "dp"`` does; :meth:`MeshDP.sync <meshnode.mesh.dp.MeshDP.sync>` counts one replica's share
+  of each round on the ``ref`` axis for every such peer (:func:`followers`).
+- without DP (one replica), that replica's live weights: an upper bound on what a reference K steps old gives,
+  counted here as a bfloat16 copy of each stage to every peer whose reference computes it.
+
+Both ends of a boundary move at the same step (one process). The swarm does not do this yet (``meshnode join``
+refuses the key): its peers would need every stage's DP rounds, and a payload would have to name the reference it
+was coded against.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..stage.reference import peer_plan
+
+logger = logging.getLogger(__name__)
+
+
+def followers(stage: int, num_stages: int, mode: str) -> int:
+    """How many peers of one replica chain compute the frozen ``stage`` for reference coding in ``mode``, other than
+    the peer of ``stage`` itself (which trains it): each needs its weights when the reference moves."""
+    count = 0
+    for s in range(num_stages):
+        if s == stage:
+            continue
+        prefix, suffixes = peer_plan(s, num_stages, mode)
+        count += stage in prefix or stage in suffixes
+    return count
+
+
+class MeshReference:
+    """Moves the mesh's reference every ``mask.reference_refresh`` steps (see the module docstring)."""
+
+    def __init__(self, trainer):
+        self.period = trainer.cfg.mask.reference_refresh
+        self.reference = trainer.reference
+        self.refreshes = 0
+
+    def after_step(self, trainer, step: int) -> None:
+        done = step + 1
+        if done % self.period:
+            return
+        if trainer.dp is not None:  # after this step's rounds (the DP hook runs first)
+            weights = [trainer.dp.outer[s].start for s in range(trainer.num_stages)]
+        else:
+            weights = [{n: p.detach() for n, p in w.module.named_parameters()} for w in trainer.workers[0]]
+            mode = trainer.cfg.mask.reference
+            for s, w in enumerate(trainer.workers[0]):
+                size = sum(p.numel() * 2 for p in w.module.parameters())
+                trainer.counter.add("ref", size * followers(s, trainer.num_stages, mode))
+        self.reference.load_weights(weights)
+        for chain in trainer.workers:
+            for w in chain:
+                w.reference_moved()
+        if trainer.anchor is not None:
+            for w in trainer.anchor.workers:
+                w.reference_moved()
+        self.refreshes += 1
+        logger.info("step %d: the reference took the %s weights (refresh %d)", done,
+                    "DP start" if trainer.dp is not None else "live", self.refreshes)
+
+    def state_dict(self) -> dict:
+        """The refreshes so far and the reference's weights (what a resumed run codes against)."""
+        return {"refreshes": self.refreshes, "weights": [dict(m.named_parameters()) for m in self.reference.stages]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.reference.load_weights(state["weights"])
+        self.refreshes = int(state["refreshes"])
+
+
+def maybe_reference(trainer) -> MeshReference | None:
+    return MeshReference(trainer) if trainer.cfg.mask.reference_refresh else None
+
+
+__all__ = ["MeshReference", "followers", "maybe_reference"]
