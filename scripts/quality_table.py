@@ -356,6 +356,17 @@ VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r1_h20_kr_b32"] = [
     *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r2_h20_kr_b32"], "dp.rank=1"]
 VARIANTS["rotq1_refmap64_tc288_g72_p10_first2_fisher_f8_log8_dp_r1_h20_kr_b32"] = [
     *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r1_h20_kr_b32"], "mask.reference_map_first=2"]
+# the whole system with the reference following DP's start weights every 10 steps (the rounds of each stage go to
+# the peers of the two others: the ``ref`` axis, twice the dp axis at 3 stages)
+VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_rr10_fisher_f8_log8_dp_r1_h20_kr_b32"] = [
+    *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r1_h20_kr_b32"], "mask.reference_map_first=3",
+    "mask.reference_refresh=10"]
+# and with a quarter bit forward instead of a half: what pays for those bytes if the moved reference leaves less
+VARIANTS["rotq1_refmap64_tc144_g72_p10_first3_rr10_fisher_f8_log8_dp_r1_h20_kr_b32"] = [
+    *VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_rr10_fisher_f8_log8_dp_r1_h20_kr_b32"],
+    "mask.reference_code_bits=144"]
+VARIANTS["rotq1_refmap64_tc144_g72_p10_first3_rr10_fisher_f8_log8_b32"] = [
+    *VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_rr10_fisher_f8_log8_b32"], "mask.reference_code_bits=144"]
 TABLE = ["dense", "dense_dp", "m90", "m90_ap", "m95", "m95_ap", "m95_ap_dp", "topk", "int8"]
 
 logger = logging.getLogger("quality_table")
@@ -488,11 +499,11 @@ def render(path: Path) -> None:
         lines += [
             f"### {task}", "",
             "| variant | held-out linux-doc | held-out sotu | vs dense (task corpus) | "
-            "pp_fwd | pp_bwd | dp | anchor | total B/token | a step without a fit, B/token | wall s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "pp_fwd | pp_bwd | dp | anchor | ref | total B/token | a step without a fit, B/token | wall s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         if before:
-            lines.append(f"| (no training) | {before['linuxdoc']:.3f} | {before['sotu']:.3f} | | | | | | | | |")
+            lines.append(f"| (no training) | {before['linuxdoc']:.3f} | {before['sotu']:.3f} | | | | | | | | | |")
         own = "linuxdoc" if task == "domain" else "sotu"
         mean_rows = []
         for name, r in runs.items():
@@ -505,7 +516,8 @@ def render(path: Path) -> None:
             steady = f"{r['bytes_per_token_steady']['total']:.1f}" if r.get("bytes_per_token_steady") else ""
             lines.append(
                 f"| {name} | {h['linuxdoc']:.3f} | {h['sotu']:.3f} | {rel} | {b['pp_fwd']:.0f} | {b['pp_bwd']:.0f} | "
-                f"{b['dp']:.0f} | {b['anchor']:.0f} | {b['total']:.0f} | {steady} | {r['wall_s']:.0f} |"
+                f"{b['dp']:.0f} | {b['anchor']:.0f} | {b.get('ref', 0):.0f} | {b['total']:.0f} | {steady} | "
+                f"{r['wall_s']:.0f} |"
             )
             if r.get("heldout_loss_mean"):
                 mean_rows.append((name, r["heldout_loss_mean"], ref))
