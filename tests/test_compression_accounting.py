@@ -30,13 +30,13 @@ def test_byte_counter_arithmetic():
     c.add("pp_fwd", 50)
     c.add("pp_bwd", 30)
     c.add("dp", 20)
-    assert c.snapshot() == {"pp_fwd": 150, "pp_bwd": 30, "dp": 20, "anchor": 0, "total": 200}
-    assert c.per_token(50) == {"pp_fwd": 3.0, "pp_bwd": 0.6, "dp": 0.4, "anchor": 0.0, "total": 4.0}
+    assert c.snapshot() == {"pp_fwd": 150, "pp_bwd": 30, "dp": 20, "anchor": 0, "ref": 0, "total": 200}
+    assert c.per_token(50) == {"pp_fwd": 3.0, "pp_bwd": 0.6, "dp": 0.4, "anchor": 0.0, "ref": 0.0, "total": 4.0}
     other = ByteCounter()
     other.add("anchor", 7)
     other.add("pp_fwd", 1)
     assert c.merge(other) is c
-    assert c.snapshot() == {"pp_fwd": 151, "pp_bwd": 30, "dp": 20, "anchor": 7, "total": 208}
+    assert c.snapshot() == {"pp_fwd": 151, "pp_bwd": 30, "dp": 20, "anchor": 7, "ref": 0, "total": 208}
     assert other.snapshot()["total"] == 8  # merge leaves the other counter alone
     restored = ByteCounter.from_snapshot(c.snapshot())
     assert restored.snapshot() == c.snapshot()
