@@ -489,8 +489,9 @@ def _cross_check(cfg: RunConfig) -> None:
         raise ConfigError("mask.reference_refresh moves the reference of reference coding: it needs mask.reference = "
                           "forward | both")
     if cfg.mask.reference_refresh and not cfg.dp.enabled and cfg.dp.replicas > 1:
-        raise ConfigError("mask.reference_refresh without DP takes one replica's weights: with dp.replicas > 1 it needs "
-                          "dp.enabled = true (the reference then follows the DP start weights every replica shares)")
+        raise ConfigError("mask.reference_refresh without DP takes one replica's weights: with dp.replicas > 1 it "
+                          "needs dp.enabled = true (the reference then follows the DP start weights every replica "
+                          "shares)")
     if cfg.mask.reference_code_metric != "plain" and not cfg.mask.reference_code_bits:
         raise ConfigError("mask.reference_code_metric weights the activation's transform code: it needs "
                           "mask.reference_code_bits")

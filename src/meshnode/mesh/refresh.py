@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from ..stage.reference import peer_plan
 
 logger = logging.getLogger(__name__)

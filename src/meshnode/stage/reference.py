@@ -474,12 +474,12 @@ class ResidualMap:
         self.tokens, self.grad_tokens = float(state["tokens"]), float(state["grad_tokens"])
 
     def forget_map(self) -> None:
-        """The reference moved (``mask.reference_refresh``): drop the map from every fit held (it predicted the residual
-        from the old reference; the transform code stays until the next fit) and the statistics gathered against
-        the old reference. A fit that was a map alone goes, and the sender codes without one until it refits. The
-        receiver does the same to what it holds (:meth:`MapStore.forget_maps`) at the same step. A fit not yet shipped
-        is withdrawn (it was solved against the old reference, and the receiver never held it): the sender goes back
-        to the version before it."""
+        """The reference moved (``mask.reference_refresh``): drop the map from every fit held (it predicted the
+        residual from the old reference; the transform code stays until the next fit) and the statistics gathered
+        against the old reference. A fit that was a map alone goes, and the sender codes without one until it
+        refits. The receiver does the same to what it holds (:meth:`MapStore.forget_maps`) at the same step. A fit
+        not yet shipped is withdrawn (it was solved against the old reference, and the receiver never held it): the
+        sender goes back to the version before it."""
         if not self.shipped and self.version in self.history:
             del self.history[self.version]
             self.version -= 1
