@@ -115,7 +115,6 @@ class ReferenceModel:
         self.stage_backwards = 0
         self._weights_hash: str | None = None
         self._digests: dict[str, str] = {}  # precision -> digest (every forward request carries one)
-        self.refreshes = 0  # times :meth:`load_weights` moved it (``mask.reference_refresh``)
 
     @property
     def num_stages(self) -> int:
@@ -141,7 +140,6 @@ class ReferenceModel:
         self._grads.clear()
         self._weights_hash = None
         self._digests.clear()
-        self.refreshes += 1
 
     @property
     def digest(self) -> str:
