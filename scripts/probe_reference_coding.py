@@ -24,6 +24,11 @@ It also prints the compute such a codec would add: the frozen stages each side r
 ``--snapshot-ages 10,20`` measures the same against the trained model as it was that many steps before each
 measurement instead of the pretrained one (a reference both ends could hold if every peer followed the stages'
 DP start weights, which are at most H steps old): recorded under ``snapshot_<age>`` beside each step's result.
+``--snapshot-ranks 1,4`` also measures, for every age (``0`` allowed: the model of that step), the pretrained model
+plus the best rank-r approximation of each matrix's change since then (vectors copied exactly): a reference that
+peers could receive as low-rank deltas (``snapshot_<age>_r<rank>``, with the share of the change it holds,
+``energy``, and the bytes of its factors in bfloat16, ``factor_bytes``, what each follower would receive at each
+move). The DP start weights at rank 1 are such a reference, one rank-1 round per fragment at a time.
 
     python scripts/probe_reference_coding.py --steps 60 --out docs/results/probe-reference-coding.json
 """
@@ -153,6 +158,29 @@ def measure(st, frozen, batches, codecs) -> dict:
     return out
 
 
+@torch.no_grad()
+def low_rank_references(frozen, snap, ranks: list[int]) -> dict[int, tuple]:
+    """Per rank r: ``frozen`` plus each matrix's change to ``snap`` truncated to its best rank-r approximation (a
+    vector's change whole), the share of the change's squared norm it keeps, and its factors' bytes in bfloat16."""
+    out = {r: [copy.deepcopy(frozen), 0.0, 0] for r in ranks}
+    total = 0.0
+    for i, (s_, f) in enumerate(zip(snap.parameters(), frozen.parameters(), strict=True)):
+        delta = s_.detach().float() - f.detach().float()
+        total += float(delta.double().square().sum())
+        svd = torch.linalg.svd(delta, full_matrices=False) if delta.dim() == 2 else None
+        for r, rec in out.items():
+            if svd is not None and r < min(delta.shape):
+                u, sv, vh = svd
+                part = (u[:, :r] * sv[:r]) @ vh[:r]
+                rec[2] += r * sum(delta.shape) * 2
+            else:
+                part = delta
+                rec[2] += delta.numel() * 2
+            rec[1] += float(part.double().square().sum())
+            list(rec[0].parameters())[i].copy_(f.float() + part)
+    return {r: (ref, kept / max(total, 1e-30), nbytes) for r, (ref, kept, nbytes) in out.items()}
+
+
 def report(step: int, res: dict) -> None:
     for b, r in res.items():
         print(f"step {step} boundary {b}: rho_fwd {r['rho_fwd']:.4f}  rho_bwd {r['rho_bwd']:.4f}  "
@@ -173,9 +201,12 @@ def main() -> None:
     ap.add_argument("--eval-batches", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--snapshot-ages", default="", help="also measure against the model this many steps earlier")
+    ap.add_argument("--snapshot-ranks", default="",
+                    help="and against the pretrained model plus a rank-r approximation of each snapshot's change")
     args = ap.parse_args()
     at = sorted({int(s) for s in args.at.split(",") if int(s) <= args.steps})
     ages = sorted({int(a) for a in args.snapshot_ages.split(",") if a})
+    ranks = sorted({int(r) for r in args.snapshot_ranks.split(",") if r})
     run = DenseProbeRun(args.steps, args.eval_batches)
     codecs = {bits: RotQuantCodec(bits) for bits in BITS}
     rec: dict = {"steps": {}, "train_loss": []}
@@ -189,11 +220,21 @@ def main() -> None:
             res = measure(run.st, run.frozen, run.evals, codecs)
             report(step, res)
             for a in ages:
-                if step - a in snapshots:
-                    snap = snapshots[step - a].eval()
+                if step - a not in snapshots:
+                    continue
+                snap = snapshots[step - a].eval()
+                if a:
                     res[f"snapshot_{a}"] = measure(run.st, snap, run.evals, codecs)
                     print(f"-- against the model of step {step - a} ({a} steps old):")
                     report(step, res[f"snapshot_{a}"])
+                for rank, (ref, energy, nbytes) in low_rank_references(run.frozen, snap, ranks).items():
+                    key = f"snapshot_{a}_r{rank}"
+                    res[key] = {**measure(run.st, ref.eval(), run.evals, codecs), "energy": energy,
+                                "factor_bytes": nbytes}
+                    print(f"-- against the pretrained model plus rank {rank} of its change to step {step - a} "
+                          f"({energy:.3f} of the change's squared norm, {nbytes / 1e6:.2f} MB of factors):")
+                    report(step, {b: r for b, r in res[key].items() if isinstance(b, int)})
+                del snap
             rec["steps"][step] = res
             run.st.train()
             for old in [k for k in snapshots if k <= step - max(ages, default=0)]:
@@ -202,7 +243,8 @@ def main() -> None:
             break
         run.train_logged(step, rec, t0)
     save_record(rec, f"python scripts/probe_reference_coding.py --steps {args.steps} --at {args.at} "
-                f"--eval-batches {args.eval_batches}" + (f" --snapshot-ages {args.snapshot_ages}" if ages else ""),
+                f"--eval-batches {args.eval_batches}" + (f" --snapshot-ages {args.snapshot_ages}" if ages else "")
+                + (f" --snapshot-ranks {args.snapshot_ranks}" if ranks else ""),
                 args.out, t0)
 
 

@@ -341,6 +341,10 @@ VARIANTS["rotq1_refmap64_tc288_g72_p5_first10_fisher_f8_log8_b32"] = [
 VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_rr10_fisher_f8_log8_b32"] = [
     *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_b32"], "mask.reference_map_first=3",
     "mask.reference_refresh=10"]
+# the same, each refresh sending only the best rank-1 approximation of each matrix's distance from the live weights
+# (mask.reference_refresh_rank; vectors whole): a reference a swarm could afford to follow
+VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_rr10r1_fisher_f8_log8_b32"] = [
+    *VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_rr10_fisher_f8_log8_b32"], "mask.reference_refresh_rank=1"]
 # its control: the same fit schedule against the pretrained model
 VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_fisher_f8_log8_b32"] = [
     *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_b32"], "mask.reference_map_first=3"]

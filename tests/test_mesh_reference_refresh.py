@@ -65,6 +65,54 @@ def test_without_dp_the_reference_takes_the_live_weights_every_k_steps(tiny_cfg,
     assert moved < 0.5 * pre
 
 
+def test_a_low_rank_refresh_moves_each_matrix_by_its_best_rank_r_step(tiny_cfg, cache_dir):
+    """``mask.reference_refresh_rank = 1`` (no DP): each refresh moves every matrix of the reference by the best
+    rank-1 approximation of its distance from the live weights (two refreshes: rank 2 from the pretrained model),
+    every vector all the way; the ``ref`` axis counts the factors (rows + columns a matrix, bf16) and the vectors
+    for every follower; and the reference ends closer to the live weights than the pretrained model is, farther
+    than the whole copy."""
+    t = MeshTrainer(tiny_cfg(*BASE, "mask.reference_refresh=2", "mask.reference_refresh_rank=1"), cache_dir)
+    pretrained = [_params(m) for m in t.reference.stages]
+
+    def factor_bytes(stage: dict[str, torch.Tensor]) -> int:
+        return sum((t_.shape[0] + t_.shape[1]) * 2 if t_.dim() == 2 and min(t_.shape) > 1 else t_.numel() * 2
+                   for t_ in stage.values())
+
+    per_refresh = sum(factor_bytes(p_) * followers(s, 3, "both") for s, p_ in enumerate(pretrained))
+    before = pretrained
+    matrices = 0
+    for move in (1, 2):
+        t.train_step()
+        t.train_step()
+        live = [_params(w.module) for w in t.workers[0]]
+        held = [_params(m) for m in t.reference.stages]
+        for s in range(3):
+            for n, h in held[s].items():
+                if h.dim() == 2:
+                    target = (live[s][n] - before[s][n]).float()
+                    u, sv, vh = torch.linalg.svd(target, full_matrices=False)
+                    best = before[s][n].float() + sv[0] * torch.outer(u[:, 0], vh[0])
+                    torch.testing.assert_close(h.float(), best, rtol=1e-4, atol=1e-5)
+                    # from the pretrained model: at most one rank a refresh
+                    assert torch.linalg.matrix_rank((h - pretrained[s][n]).double(), rtol=1e-6) <= move
+                    matrices += 1
+                else:
+                    torch.testing.assert_close(h, live[s][n], rtol=0, atol=0)
+        assert t.counter.snapshot()["ref"] == per_refresh * move
+        before = held
+    assert matrices > 0 and t.refresh.refreshes == 2
+
+    def distance(ws) -> float:
+        return sum(float((live[s][n] - w[n]).float().square().sum()) for s, w in enumerate(ws) for n in w) ** 0.5
+
+    assert 0 < distance(held) < distance(pretrained)
+    with pytest.raises(ConfigError, match="reference_refresh_rank"):
+        tiny_cfg(*BASE, "mask.reference_refresh_rank=1")
+    with pytest.raises(ConfigError, match="reference_refresh_rank"):
+        tiny_cfg(*BASE, "dp.enabled=true", "dp.replicas=2", "mask.reference_refresh=2",
+                 "mask.reference_refresh_rank=1")
+
+
 def test_with_dp_the_reference_takes_the_start_weights_and_counts_the_rounds(tiny_cfg, cache_dir):
     """Two replicas under DP (a round every 2 steps), refresh every 2: the reference holds each stage's start
     weights (what the rounds left every replica with), and the ``ref`` axis counts, per round, one replica's share

@@ -153,6 +153,12 @@ class MaskConfig:
     # (the pretrained model throughout). ``scripts/probe_reference_coding.py --snapshot-ages`` measured what a
     # 10-step-old reference leaves to code (docs/quality.md)
     reference_refresh: int = 0
+    # without DP, what each refresh sends instead of the whole weights: the best rank-r approximation (an SVD) of
+    # each matrix's difference between the live weights and the reference as held (what every follower holds), its
+    # vectors whole; the reference adds it, so successive refreshes build it up as DP's rounds build the start
+    # weights (a cheaper reference a swarm could follow: r x (rows + columns) bfloat16 values a matrix a refresh, to
+    # every peer whose reference computes the stage, on the ``ref`` axis). 0 = the whole weights
+    reference_refresh_rank: int = 0
     # with a reference and rotq: the sender also fits a transform code (a KLT of what it codes, bits by variance;
     # meshnode.compression.transform) at the same period, ships it with the map, and codes the activation in this
     # many bits per token instead of rotq's ``bits`` x H (rotq before the first fit); 0 = off
@@ -355,6 +361,7 @@ _NON_NEGATIVE = {
     "train.checkpoint_every", "train.threads", "mask.warmup_steps", "spectral.tau", "spectral.rank", "data.max_docs",
     "anchor.batch_size", "dp.outer_lr", "train.eps", "mask.reference_map_rank", "mask.reference_code_bits",
     "mask.reference_grad_code_bits", "mask.reference_map_first", "mask.reference_check", "mask.reference_refresh",
+    "mask.reference_refresh_rank",
 }
 
 
@@ -492,6 +499,10 @@ def _cross_check(cfg: RunConfig) -> None:
         raise ConfigError("mask.reference_refresh without DP takes one replica's weights: with dp.replicas > 1 it "
                           "needs dp.enabled = true (the reference then follows the DP start weights every replica "
                           "shares)")
+    if cfg.mask.reference_refresh_rank and (not cfg.mask.reference_refresh or cfg.dp.enabled):
+        raise ConfigError("mask.reference_refresh_rank sets what a refresh of the reference sends without DP: it "
+                          "needs mask.reference_refresh and dp.enabled = false (with DP the reference follows the "
+                          "start weights, whose rounds are already low-rank: dp.rank)")
     if cfg.mask.reference_code_metric != "plain" and not cfg.mask.reference_code_bits:
         raise ConfigError("mask.reference_code_metric weights the activation's transform code: it needs "
                           "mask.reference_code_bits")

@@ -12,7 +12,10 @@ its residual maps (:meth:`~meshnode.stage.StageWorker.reference_moved`):
   ``anchor.snapshot = "dp"`` does; :meth:`MeshDP.sync <meshnode.mesh.dp.MeshDP.sync>` counts one replica's share
   of each round on the ``ref`` axis for every such peer (:func:`followers`).
 - without DP (one replica), that replica's live weights: an upper bound on what a reference K steps old gives,
-  counted here as a bfloat16 copy of each stage to every peer whose reference computes it.
+  counted here as a bfloat16 copy of each stage to every peer whose reference computes it. With
+  ``mask.reference_refresh_rank = r`` it takes, instead, the best rank-r approximation of each matrix's distance
+  from the live weights (vectors whole, :func:`low_rank_step`): what a swarm could afford to send its followers,
+  counted as those factors in bfloat16.
 
 Both ends of a boundary move at the same step (one process). The swarm does not do this yet (``meshnode join``
 refuses the key): its peers would need every stage's DP rounds, and a payload would have to name the reference it
@@ -22,6 +25,8 @@ was coded against.
 from __future__ import annotations
 
 import logging
+
+import torch
 
 from ..stage.reference import peer_plan
 
@@ -40,6 +45,25 @@ def followers(stage: int, num_stages: int, mode: str) -> int:
     return count
 
 
+@torch.no_grad()
+def low_rank_step(held: dict[str, torch.Tensor], live: dict[str, torch.Tensor], rank: int
+                  ) -> tuple[dict[str, torch.Tensor], int]:
+    """``held`` moved towards ``live``: each matrix by the best rank-``rank`` approximation (SVD, float32) of
+    ``live - held``, a vector (or a matrix of rank at most ``rank``) all the way; and the bytes of what that takes
+    in bfloat16 (the factors, or the whole tensor)."""
+    out, nbytes = {}, 0
+    for n, h in held.items():
+        delta = live[n].detach().float() - h.float()
+        if delta.dim() == 2 and rank < min(delta.shape):
+            u, sv, vh = torch.linalg.svd(delta, full_matrices=False)
+            delta = (u[:, :rank] * sv[:rank]) @ vh[:rank]
+            nbytes += rank * (delta.shape[0] + delta.shape[1]) * 2
+        else:
+            nbytes += delta.numel() * 2
+        out[n] = (h.float() + delta).to(h.dtype)
+    return out, nbytes
+
+
 class MeshReference:
     """Moves the mesh's reference every ``mask.reference_refresh`` steps (see the module docstring)."""
 
@@ -56,9 +80,13 @@ class MeshReference:
             weights = [trainer.dp.outer[s].start for s in range(trainer.num_stages)]
         else:
             weights = [{n: p.detach() for n, p in w.module.named_parameters()} for w in trainer.workers[0]]
-            mode = trainer.cfg.mask.reference
+            mode, rank = trainer.cfg.mask.reference, trainer.cfg.mask.reference_refresh_rank
             for s, w in enumerate(trainer.workers[0]):
-                size = sum(p.numel() * 2 for p in w.module.parameters())
+                if rank:
+                    weights[s], size = low_rank_step(dict(self.reference.stages[s].named_parameters()), weights[s],
+                                                     rank)
+                else:
+                    size = sum(p.numel() * 2 for p in w.module.parameters())
                 trainer.counter.add("ref", size * followers(s, trainer.num_stages, mode))
         self.reference.load_weights(weights)
         for chain in trainer.workers:
@@ -84,4 +112,4 @@ def maybe_reference(trainer) -> MeshReference | None:
     return MeshReference(trainer) if trainer.cfg.mask.reference_refresh else None
 
 
-__all__ = ["MeshReference", "followers", "maybe_reference"]
+__all__ = ["MeshReference", "followers", "low_rank_step", "maybe_reference"]
