@@ -96,8 +96,10 @@ class MeshReference:
             for w in trainer.anchor.workers:
                 w.reference_moved()
         self.refreshes += 1
-        logger.info("step %d: the reference took the %s weights (refresh %d)", done,
-                    "DP start" if trainer.dp is not None else "live", self.refreshes)
+        what = ("the DP start weights" if trainer.dp is not None else "the live weights"
+                if not trainer.cfg.mask.reference_refresh_rank
+                else f"a rank-{trainer.cfg.mask.reference_refresh_rank} step towards the live weights")
+        logger.info("step %d: the reference took %s (refresh %d)", done, what, self.refreshes)
 
     def state_dict(self) -> dict:
         """The refreshes so far and the reference's weights (what a resumed run codes against)."""
