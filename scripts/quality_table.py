@@ -352,6 +352,11 @@ VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_fisher_f8_log8_b32"] = [
 VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_rr10_fisher_f8_log8"] = [
     *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8"], "mask.reference_map_first=3",
     "mask.reference_refresh=10"]
+# and its control (the pretrained reference, the same fit schedule) and the rank-1 moves, at that batch
+VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_fisher_f8_log8"] = [
+    *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8"], "mask.reference_map_first=3"]
+VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_rr10r1_fisher_f8_log8"] = [
+    *VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_rr10_fisher_f8_log8"], "mask.reference_refresh_rank=1"]
 VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r2_h20_b32"] = [
     *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8"], *DP, *DP_B32]
 VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r2_h20_kr_b32"] = [
