@@ -44,6 +44,7 @@ import torch
 
 from meshnode.compression import RotQuantCodec
 from meshnode.data import BatchSource, heldout_batches
+from meshnode.mesh.refresh import low_rank_step
 from meshnode.optim.schedule import lr_at
 from meshnode.stage import causal_lm_loss
 from probe_common import load_probe_model  # scripts/ is on the path when a script runs
@@ -160,25 +161,20 @@ def measure(st, frozen, batches, codecs) -> dict:
 
 @torch.no_grad()
 def low_rank_references(frozen, snap, ranks: list[int]) -> dict[int, tuple]:
-    """Per rank r: ``frozen`` plus each matrix's change to ``snap`` truncated to its best rank-r approximation (a
-    vector's change whole), the share of the change's squared norm it keeps, and its factors' bytes in bfloat16."""
-    out = {r: [copy.deepcopy(frozen), 0.0, 0] for r in ranks}
-    total = 0.0
-    for i, (s_, f) in enumerate(zip(snap.parameters(), frozen.parameters(), strict=True)):
-        delta = s_.detach().float() - f.detach().float()
-        total += float(delta.double().square().sum())
-        svd = torch.linalg.svd(delta, full_matrices=False) if delta.dim() == 2 else None
-        for r, rec in out.items():
-            if svd is not None and r < min(delta.shape):
-                u, sv, vh = svd
-                part = (u[:, :r] * sv[:r]) @ vh[:r]
-                rec[2] += r * sum(delta.shape) * 2
-            else:
-                part = delta
-                rec[2] += delta.numel() * 2
-            rec[1] += float(part.double().square().sum())
-            list(rec[0].parameters())[i].copy_(f.float() + part)
-    return {r: (ref, kept / max(total, 1e-30), nbytes) for r, (ref, kept, nbytes) in out.items()}
+    """Per rank r: ``frozen`` moved towards ``snap`` by :func:`meshnode.mesh.refresh.low_rank_step` (each matrix's
+    change truncated to its best rank-r approximation, a vector's whole), the share of the change's squared norm it
+    keeps, and the bytes of its factors in bfloat16."""
+    held, target = dict(frozen.named_parameters()), dict(snap.named_parameters())
+    total = sum(float((target[n].double() - h.double()).square().sum()) for n, h in held.items())
+    out = {}
+    for r in ranks:
+        moved, nbytes = low_rank_step(held, target, r)
+        kept = sum(float((moved[n].double() - h.double()).square().sum()) for n, h in held.items())
+        ref = copy.deepcopy(frozen)
+        for n, p in ref.named_parameters():
+            p.copy_(moved[n])
+        out[r] = (ref, kept / max(total, 1e-30), nbytes)
+    return out
 
 
 def report(step: int, res: dict) -> None:
