@@ -370,6 +370,11 @@ VARIANTS["rotq1_refmap64_tc288_g72_p10_first2_fisher_f8_log8_dp_r1_h20_kr_b32"] 
 VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_rr10_fisher_f8_log8_dp_r1_h20_kr_b32"] = [
     *VARIANTS["rotq1_refmap64_tc288_g72_p10_fisher_f8_log8_dp_r1_h20_kr_b32"], "mask.reference_map_first=3",
     "mask.reference_refresh=10"]
+# the whole system with each replica chain's own reference moved every 10 steps by the best rank-1 step of each
+# matrix towards that chain's live weights (thirty-ninth session; ~21 B/token on ``ref`` instead of DP's rounds)
+VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_rr10r1_fisher_f8_log8_dp_r1_h20_kr_b32"] = [
+    *VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_rr10_fisher_f8_log8_dp_r1_h20_kr_b32"],
+    "mask.reference_refresh_rank=1"]
 # and with a quarter bit forward instead of a half: what pays for those bytes if the moved reference leaves less
 VARIANTS["rotq1_refmap64_tc144_g72_p10_first3_rr10_fisher_f8_log8_dp_r1_h20_kr_b32"] = [
     *VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_rr10_fisher_f8_log8_dp_r1_h20_kr_b32"],

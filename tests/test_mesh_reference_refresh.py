@@ -108,9 +108,59 @@ def test_a_low_rank_refresh_moves_each_matrix_by_its_best_rank_r_step(tiny_cfg, 
     assert 0 < distance(held) < distance(pretrained)
     with pytest.raises(ConfigError, match="reference_refresh_rank"):
         tiny_cfg(*BASE, "mask.reference_refresh_rank=1")
-    with pytest.raises(ConfigError, match="reference_refresh_rank"):
-        tiny_cfg(*BASE, "dp.enabled=true", "dp.replicas=2", "mask.reference_refresh=2",
-                 "mask.reference_refresh_rank=1")
+
+
+def _best_rank1(before: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    u, sv, vh = torch.linalg.svd((live - before).float(), full_matrices=False)
+    return before.float() + sv[0] * torch.outer(u[:, 0], vh[0])
+
+
+def test_with_dp_each_chain_moves_its_own_reference_towards_its_own_weights(tiny_cfg, cache_dir):
+    """Two replicas under DP (a round every 3 steps), a rank-1 refresh every 2: each chain codes against its own
+    reference, which each refresh moves by the best rank-1 step towards that chain's live weights (the chains
+    trained on different batches, so their references differ); the ``ref`` axis counts those factors for every
+    follower in each chain and nothing for the DP rounds; and the references' state loads into a fresh run."""
+    dp = ("dp.enabled=true", "dp.replicas=2", "dp.inner_steps=3", "dp.fragments=1")
+    t = MeshTrainer(tiny_cfg(*BASE, *dp, "mask.reference_refresh=2", "mask.reference_refresh_rank=1"), cache_dir)
+    plain = MeshTrainer(tiny_cfg(*BASE, *dp), cache_dir)
+    assert len(t.references) == 2 and t.references[0] is not t.references[1]
+    assert all(w.reference is t.references[r] for r, chain in enumerate(t.workers) for w in chain)
+    pretrained = [_params(m) for m in t.reference.stages]
+    per_refresh = sum(sum((p_.shape[0] + p_.shape[1]) * 2 if p_.dim() == 2 and min(p_.shape) > 1 else p_.numel() * 2
+                          for p_ in stage.values()) * followers(s, 3, "both") for s, stage in enumerate(pretrained))
+    before = [pretrained, pretrained]
+    for move in (1, 2):  # after steps 2 and 4 (a DP round after step 3 in between)
+        t.train_step()
+        t.train_step()
+        plain.train_step()
+        plain.train_step()
+        held = [[_params(m) for m in ref.stages] for ref in t.references]
+        for r in range(2):
+            live = [_params(w.module) for w in t.workers[r]]
+            for s in range(3):
+                for n, h in held[r][s].items():
+                    if h.dim() == 2:
+                        torch.testing.assert_close(h.float(), _best_rank1(before[r][s][n], live[s][n]), rtol=1e-4,
+                                                   atol=1e-5)
+                    else:
+                        torch.testing.assert_close(h, live[s][n], rtol=0, atol=0)
+        differ = sum(float((held[0][s][n] - held[1][s][n]).abs().max()) for s in range(3) for n in held[0][s])
+        assert differ > 0
+        snap = t.counter.snapshot()
+        assert snap["ref"] == 2 * per_refresh * move
+        before = held
+    assert snap["dp"] == plain.counter.snapshot()["dp"] > 0
+    state = t.refresh.state_dict()
+    fresh = MeshTrainer(tiny_cfg(*BASE, *dp, "mask.reference_refresh=2", "mask.reference_refresh_rank=1"), cache_dir)
+    fresh.refresh.load_state_dict(state)
+    assert fresh.refresh.refreshes == 2
+    for r in range(2):
+        for s, m in enumerate(fresh.references[r].stages):
+            for n, p in m.named_parameters():
+                assert torch.equal(p, held[r][s][n])
+    one = MeshTrainer(tiny_cfg(*BASE, "mask.reference_refresh=2", "mask.reference_refresh_rank=1"), cache_dir)
+    with pytest.raises(ValueError, match="2 references"):
+        one.refresh.load_state_dict(state)
 
 
 def test_with_dp_the_reference_takes_the_start_weights_and_counts_the_rounds(tiny_cfg, cache_dir):

@@ -153,11 +153,13 @@ class MaskConfig:
     # (the pretrained model throughout). ``scripts/probe_reference_coding.py --snapshot-ages`` measured what a
     # 10-step-old reference leaves to code (docs/quality.md)
     reference_refresh: int = 0
-    # without DP, what each refresh sends instead of the whole weights: the best rank-r approximation (an SVD) of
-    # each matrix's difference between the live weights and the reference as held (what every follower holds), its
-    # vectors whole; the reference adds it, so successive refreshes build it up as DP's rounds build the start
-    # weights (a cheaper reference a swarm could follow: r x (rows + columns) bfloat16 values a matrix a refresh, to
-    # every peer whose reference computes the stage, on the ``ref`` axis). 0 = the whole weights
+    # what each refresh sends instead of the whole weights (or, with DP, instead of following the rounds): the best
+    # rank-r approximation (an SVD) of each matrix's difference between the live weights and the reference as held
+    # (what every follower holds), its vectors whole; the reference adds it, so successive refreshes build it up as
+    # DP's rounds build the start weights (a cheaper reference a swarm could follow: r x (rows + columns) bfloat16
+    # values a matrix a refresh, to every peer whose reference computes the stage, on the ``ref`` axis). With DP each
+    # replica chain has its own reference, moved towards that chain's live weights (only the two ends of a boundary,
+    # both in one chain, must agree on it). 0 = the whole weights
     reference_refresh_rank: int = 0
     # with a reference and rotq: the sender also fits a transform code (a KLT of what it codes, bits by variance;
     # meshnode.compression.transform) at the same period, ships it with the map, and codes the activation in this
@@ -499,10 +501,10 @@ def _cross_check(cfg: RunConfig) -> None:
         raise ConfigError("mask.reference_refresh without DP takes one replica's weights: with dp.replicas > 1 it "
                           "needs dp.enabled = true (the reference then follows the DP start weights every replica "
                           "shares)")
-    if cfg.mask.reference_refresh_rank and (not cfg.mask.reference_refresh or cfg.dp.enabled):
-        raise ConfigError("mask.reference_refresh_rank sets what a refresh of the reference sends without DP: it "
-                          "needs mask.reference_refresh and dp.enabled = false (with DP the reference follows the "
-                          "start weights, whose rounds are already low-rank: dp.rank)")
+    if cfg.mask.reference_refresh_rank and not cfg.mask.reference_refresh:
+        raise ConfigError("mask.reference_refresh_rank sets what a refresh of the reference sends (each replica "
+                          "chain's reference moves by a rank-r step towards that chain's weights): it needs "
+                          "mask.reference_refresh")
     if cfg.mask.reference_code_metric != "plain" and not cfg.mask.reference_code_bits:
         raise ConfigError("mask.reference_code_metric weights the activation's transform code: it needs "
                           "mask.reference_code_bits")

@@ -60,7 +60,8 @@ class MeshDP:
         trainer.counter.add("dp", int(sum(sent)))
         if trainer.cfg.anchor.enabled and trainer.cfg.anchor.snapshot == "dp":
             trainer.counter.add("anchor", int(max(sent)))  # the anchor receives one replica's share of the round
-        if trainer.cfg.mask.reference_refresh:  # every peer whose reference computes this stage receives it too
+        if trainer.cfg.mask.reference_refresh and not trainer.cfg.mask.reference_refresh_rank:
+            # every peer whose reference computes this stage receives it too (a rank-r refresh sends its own moves)
             follow = followers(stage, self.num_stages, trainer.cfg.mask.reference)
             trainer.counter.add("ref", int(max(sent)) * follow * self.replicas)
         self.outer[stage].apply(results[0], live[0])

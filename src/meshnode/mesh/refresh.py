@@ -16,6 +16,9 @@ its residual maps (:meth:`~meshnode.stage.StageWorker.reference_moved`):
   ``mask.reference_refresh_rank = r`` it takes, instead, the best rank-r approximation of each matrix's distance
   from the live weights (vectors whole, :func:`low_rank_step`): what a swarm could afford to send its followers,
   counted as those factors in bfloat16.
+- with ``mask.reference_refresh_rank`` and DP, each replica chain has its own reference, moved by those rank-r
+  steps towards that chain's live weights (both ends of a boundary are in one chain, so they agree on it; the DP
+  rounds are then not followed and not counted on ``ref``).
 
 Both ends of a boundary move at the same step (one process). The swarm does not do this yet (``meshnode join``
 refuses the key): its peers would need every stage's DP rounds, and a payload would have to name the reference it
@@ -69,26 +72,31 @@ class MeshReference:
 
     def __init__(self, trainer):
         self.period = trainer.cfg.mask.reference_refresh
-        self.reference = trainer.reference
+        self.rank = trainer.cfg.mask.reference_refresh_rank
+        self.references = trainer.references  # one per replica chain with a rank, else one shared
         self.refreshes = 0
 
     def after_step(self, trainer, step: int) -> None:
         done = step + 1
         if done % self.period:
             return
-        if trainer.dp is not None:  # after this step's rounds (the DP hook runs first)
-            weights = [trainer.dp.outer[s].start for s in range(trainer.num_stages)]
-        else:
-            weights = [{n: p.detach() for n, p in w.module.named_parameters()} for w in trainer.workers[0]]
-            mode, rank = trainer.cfg.mask.reference, trainer.cfg.mask.reference_refresh_rank
-            for s, w in enumerate(trainer.workers[0]):
-                if rank:
-                    weights[s], size = low_rank_step(dict(self.reference.stages[s].named_parameters()), weights[s],
-                                                     rank)
-                else:
-                    size = sum(p.numel() * 2 for p in w.module.parameters())
-                trainer.counter.add("ref", size * followers(s, trainer.num_stages, mode))
-        self.reference.load_weights(weights)
+        mode = trainer.cfg.mask.reference
+        if trainer.dp is not None and not self.rank:  # after this step's rounds (the DP hook runs first)
+            moved = [[trainer.dp.outer[s].start for s in range(trainer.num_stages)]]
+        else:  # each chain's reference towards that chain's live weights (a whole copy, or a rank-r step)
+            moved = []
+            for reference, chain in zip(self.references, trainer.workers):
+                weights = [{n: p.detach() for n, p in w.module.named_parameters()} for w in chain]
+                for s, w in enumerate(chain):
+                    if self.rank:
+                        weights[s], size = low_rank_step(dict(reference.stages[s].named_parameters()), weights[s],
+                                                         self.rank)
+                    else:
+                        size = sum(p.numel() * 2 for p in w.module.parameters())
+                    trainer.counter.add("ref", size * followers(s, trainer.num_stages, mode))
+                moved.append(weights)
+        for reference, weights in zip(self.references, moved):
+            reference.load_weights(weights)
         for chain in trainer.workers:
             for w in chain:
                 w.reference_moved()
@@ -96,17 +104,21 @@ class MeshReference:
             for w in trainer.anchor.workers:
                 w.reference_moved()
         self.refreshes += 1
-        what = ("the DP start weights" if trainer.dp is not None else "the live weights"
-                if not trainer.cfg.mask.reference_refresh_rank
-                else f"a rank-{trainer.cfg.mask.reference_refresh_rank} step towards the live weights")
+        what = ("the DP start weights" if trainer.dp is not None and not self.rank else "the live weights"
+                if not self.rank else f"a rank-{self.rank} step towards its chain's live weights")
         logger.info("step %d: the reference took %s (refresh %d)", done, what, self.refreshes)
 
     def state_dict(self) -> dict:
-        """The refreshes so far and the reference's weights (what a resumed run codes against)."""
-        return {"refreshes": self.refreshes, "weights": [dict(m.named_parameters()) for m in self.reference.stages]}
+        """The refreshes so far and each reference's weights (what a resumed run codes against)."""
+        return {"refreshes": self.refreshes,
+                "weights": [[dict(m.named_parameters()) for m in r.stages] for r in self.references]}
 
     def load_state_dict(self, state: dict) -> None:
-        self.reference.load_weights(state["weights"])
+        weights = state["weights"]
+        if len(weights) != len(self.references):
+            raise ValueError(f"the state holds {len(weights)} references, this run {len(self.references)}")
+        for reference, held in zip(self.references, weights):
+            reference.load_weights(held)
         self.refreshes = int(state["refreshes"])
 
 

@@ -141,14 +141,18 @@ class MeshTrainer:
                 [StageWorker(mods[s], cfg, replica=r, counter=self.counter) for s in range(self.num_stages)]
             )
         # ``mask.reference``: one frozen copy of the pretrained stages, shared by every worker (both ends of a
-        # boundary compute the same reference; in one process it is computed once)
+        # boundary compute the same reference; in one process it is computed once). With
+        # ``mask.reference_refresh_rank`` each replica chain has its own, which follows that chain's weights.
         self.reference: ReferenceModel | None = None
+        self.references: list[ReferenceModel] = []
         if cfg.mask.reference != "none":
-            self.reference = ReferenceModel([stages[s] for s in range(self.num_stages)],
-                                            autocast=self.workers[0][0].autocast)
-            for chain in self.workers:
+            own = 1 if not cfg.mask.reference_refresh_rank else self.replicas
+            self.references = [ReferenceModel([stages[s] for s in range(self.num_stages)],
+                                              autocast=self.workers[0][0].autocast) for _ in range(own)]
+            self.reference = self.references[0]
+            for r, chain in enumerate(self.workers):
                 for w in chain:
-                    w.reference = self.reference
+                    w.reference = self.references[r % own]
         self.sources = [
             BatchSource(
                 self.corpus.train, cfg.train.batch_size, shard=r, num_shards=self.replicas, seed=cfg.train.seed
