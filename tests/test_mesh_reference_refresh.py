@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
+from meshnode.compression.quant import quantized_nbytes
 from meshnode.config import ConfigError
 from meshnode.mesh import MeshTrainer
-from meshnode.mesh.refresh import followers
+from meshnode.mesh.refresh import followers, low_rank_step
 from meshnode.stage import MapStore, ResidualMap
 
 BASE = ("train.eval_every=0", "model.stages=3", "train.lr=3e-3", "train.warmup_steps=0", "mask.codec=rotq",
@@ -89,15 +90,12 @@ def test_a_low_rank_refresh_moves_each_matrix_by_its_best_rank_r_step(tiny_cfg, 
         for s in range(3):
             for n, h in held[s].items():
                 if h.dim() == 2:
-                    target = (live[s][n] - before[s][n]).float()
-                    u, sv, vh = torch.linalg.svd(target, full_matrices=False)
-                    best = before[s][n].float() + sv[0] * torch.outer(u[:, 0], vh[0])
-                    torch.testing.assert_close(h.float(), best, rtol=1e-4, atol=1e-5)
+                    _assert_best_rank1_step(h, before[s][n], live[s][n], 2 ** -8)
                     # from the pretrained model: at most one rank a refresh
                     assert torch.linalg.matrix_rank((h - pretrained[s][n]).double(), rtol=1e-6) <= move
                     matrices += 1
-                else:
-                    torch.testing.assert_close(h, live[s][n], rtol=0, atol=0)
+                else:  # its change, in bfloat16
+                    torch.testing.assert_close(h, live[s][n], rtol=2 ** -8, atol=1e-6)
         assert t.counter.snapshot()["ref"] == per_refresh * move
         before = held
     assert matrices > 0 and t.refresh.refreshes == 2
@@ -110,9 +108,14 @@ def test_a_low_rank_refresh_moves_each_matrix_by_its_best_rank_r_step(tiny_cfg, 
         tiny_cfg(*BASE, "mask.reference_refresh_rank=1")
 
 
-def _best_rank1(before: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+def _assert_best_rank1_step(held: torch.Tensor, before: torch.Tensor, live: torch.Tensor, rel: float) -> None:
+    """``held - before`` is the best rank-1 approximation of ``live - before`` up to the wire's rounding (``rel`` of
+    the step's largest value), and exactly of rank 1."""
     u, sv, vh = torch.linalg.svd((live - before).float(), full_matrices=False)
-    return before.float() + sv[0] * torch.outer(u[:, 0], vh[0])
+    best = sv[0] * torch.outer(u[:, 0], vh[0])
+    step = held.float() - before.float()
+    assert float((step - best).abs().max()) <= 2 * rel * float(best.abs().max()) + 1e-7
+    assert torch.linalg.matrix_rank(step.double(), rtol=1e-6) <= 1
 
 
 def test_with_dp_each_chain_moves_its_own_reference_towards_its_own_weights(tiny_cfg, cache_dir):
@@ -140,10 +143,9 @@ def test_with_dp_each_chain_moves_its_own_reference_towards_its_own_weights(tiny
             for s in range(3):
                 for n, h in held[r][s].items():
                     if h.dim() == 2:
-                        torch.testing.assert_close(h.float(), _best_rank1(before[r][s][n], live[s][n]), rtol=1e-4,
-                                                   atol=1e-5)
+                        _assert_best_rank1_step(h, before[r][s][n], live[s][n], 2 ** -8)
                     else:
-                        torch.testing.assert_close(h, live[s][n], rtol=0, atol=0)
+                        torch.testing.assert_close(h, live[s][n], rtol=2 ** -8, atol=1e-6)
         differ = sum(float((held[0][s][n] - held[1][s][n]).abs().max()) for s in range(3) for n in held[0][s])
         assert differ > 0
         snap = t.counter.snapshot()
@@ -275,3 +277,37 @@ def test_resume_with_a_moved_reference_is_bit_identical(tiny_cfg, cache_dir, tmp
     resumed.train()
     assert resumed.losses == straight.losses
     assert resumed.counter.snapshot()["ref"] == straight.counter.snapshot()["ref"] > 0
+
+
+def test_an_8_bit_refresh_sends_int8_factors_and_half_the_bytes(tiny_cfg, cache_dir):
+    """``mask.reference_refresh_bits = 8``: each matrix moves by its best rank-1 step as int8 factors with a float32
+    scale a column (within the int8 rounding of the bfloat16 run's step), the ``ref`` axis counts those codes and
+    scales (vectors whole in bfloat16) and is about half the bfloat16 run's; bad bits are refused."""
+    cfg = (*BASE, "mask.reference_refresh=2", "mask.reference_refresh_rank=1")
+    wide = MeshTrainer(tiny_cfg(*cfg), cache_dir)
+    narrow = MeshTrainer(tiny_cfg(*cfg, "mask.reference_refresh_bits=8"), cache_dir)
+    pretrained = [_params(m) for m in narrow.reference.stages]
+    for t in (wide, narrow):
+        t.train_step()
+        t.train_step()
+    live = [_params(w.module) for w in narrow.workers[0]]
+    held = [_params(m) for m in narrow.reference.stages]
+    factors = vectors = 0
+    for s in range(3):
+        for n, h in held[s].items():
+            if h.dim() == 2 and min(h.shape) > 1:
+                _assert_best_rank1_step(h, pretrained[s][n], live[s][n], 1 / 127)
+                factors += (quantized_nbytes(1, h.shape[0], 8) + quantized_nbytes(1, h.shape[1], 8)) * followers(s, 3,
+                                                                                                                "both")
+            else:
+                vectors += h.numel() * 2 * followers(s, 3, "both")
+    got, bf16 = narrow.counter.snapshot()["ref"], wide.counter.snapshot()["ref"]
+    print(f"ref bytes a refresh: int8 {got}, bfloat16 {bf16}")
+    assert got == factors + vectors
+    assert got < 0.6 * bf16
+    with pytest.raises(ConfigError, match="reference_refresh_bits"):
+        tiny_cfg(*cfg, "mask.reference_refresh_bits=4")
+    with pytest.raises(ConfigError, match="reference_refresh_bits"):
+        tiny_cfg(*BASE, "mask.reference_refresh=2", "mask.reference_refresh_bits=8")
+    with pytest.raises(ValueError, match="16 .bfloat16. or 8"):
+        low_rank_step(held[0], live[0], 1, bits=4)

@@ -161,6 +161,10 @@ class MaskConfig:
     # replica chain has its own reference, moved towards that chain's live weights (only the two ends of a boundary,
     # both in one chain, must agree on it). 0 = the whole weights
     reference_refresh_rank: int = 0
+    # the bits of those factors on the wire: 16 (bfloat16) or 8 (int8, one float32 scale a factor column; half the
+    # ``ref`` bytes; the rounding left behind is in the next refresh's step, since each step is taken from the
+    # reference as held)
+    reference_refresh_bits: int = 16
     # with a reference and rotq: the sender also fits a transform code (a KLT of what it codes, bits by variance;
     # meshnode.compression.transform) at the same period, ships it with the map, and codes the activation in this
     # many bits per token instead of rotq's ``bits`` x H (rotq before the first fit); 0 = off
@@ -363,7 +367,7 @@ _NON_NEGATIVE = {
     "train.checkpoint_every", "train.threads", "mask.warmup_steps", "spectral.tau", "spectral.rank", "data.max_docs",
     "anchor.batch_size", "dp.outer_lr", "train.eps", "mask.reference_map_rank", "mask.reference_code_bits",
     "mask.reference_grad_code_bits", "mask.reference_map_first", "mask.reference_check", "mask.reference_refresh",
-    "mask.reference_refresh_rank",
+    "mask.reference_refresh_rank", "mask.reference_refresh_bits",
 }
 
 
@@ -501,6 +505,12 @@ def _cross_check(cfg: RunConfig) -> None:
         raise ConfigError("mask.reference_refresh without DP takes one replica's weights: with dp.replicas > 1 it "
                           "needs dp.enabled = true (the reference then follows the DP start weights every replica "
                           "shares)")
+    if cfg.mask.reference_refresh_bits not in (8, 16):
+        raise ConfigError(f"mask.reference_refresh_bits must be 16 (bfloat16) or 8 (int8), got "
+                          f"{cfg.mask.reference_refresh_bits}")
+    if cfg.mask.reference_refresh_bits != 16 and not cfg.mask.reference_refresh_rank:
+        raise ConfigError("mask.reference_refresh_bits sets how a low-rank refresh's factors are sent: it needs "
+                          "mask.reference_refresh_rank")
     if cfg.mask.reference_refresh_rank and not cfg.mask.reference_refresh:
         raise ConfigError("mask.reference_refresh_rank sets what a refresh of the reference sends (each replica "
                           "chain's reference moves by a rank-r step towards that chain's weights): it needs "

@@ -31,6 +31,7 @@ import logging
 
 import torch
 
+from ..compression.quant import fake_quantize, quantized_nbytes
 from ..stage.reference import peer_plan
 
 logger = logging.getLogger(__name__)
@@ -49,19 +50,30 @@ def followers(stage: int, num_stages: int, mode: str) -> int:
 
 
 @torch.no_grad()
-def low_rank_step(held: dict[str, torch.Tensor], live: dict[str, torch.Tensor], rank: int
+def low_rank_step(held: dict[str, torch.Tensor], live: dict[str, torch.Tensor], rank: int, bits: int = 16
                   ) -> tuple[dict[str, torch.Tensor], int]:
     """``held`` moved towards ``live``: each matrix by the best rank-``rank`` approximation (SVD, float32) of
-    ``live - held``, a vector (or a matrix of rank at most ``rank``) all the way; and the bytes of what that takes
-    in bfloat16 (the factors, or the whole tensor)."""
+    ``live - held``, a vector (or a matrix of rank at most ``rank``) all the way; and the bytes of what that takes.
+    What is added is what would be sent, rounded as sent: the factors ``U S`` and ``V`` in bfloat16 (``bits = 16``)
+    or in int8 with one float32 scale a column (``bits = 8``), a tensor sent whole as its change in bfloat16. The
+    next step is taken from the reference so held, so no rounding accumulates."""
+    if bits not in (8, 16):
+        raise ValueError(f"reference refresh factors go in 16 (bfloat16) or 8 bits, got {bits}")
     out, nbytes = {}, 0
     for n, h in held.items():
         delta = live[n].detach().float() - h.float()
         if delta.dim() == 2 and rank < min(delta.shape):
             u, sv, vh = torch.linalg.svd(delta, full_matrices=False)
-            delta = (u[:, :rank] * sv[:rank]) @ vh[:rank]
-            nbytes += rank * (delta.shape[0] + delta.shape[1]) * 2
+            a, b = u[:, :rank] * sv[:rank], vh[:rank].T.contiguous()  # (m, r), (n, r)
+            if bits == 8:
+                a, b = fake_quantize(a, 8, dim=0), fake_quantize(b, 8, dim=0)
+                nbytes += quantized_nbytes(rank, a.shape[0], 8) + quantized_nbytes(rank, b.shape[0], 8)
+            else:
+                a, b = a.bfloat16().float(), b.bfloat16().float()
+                nbytes += rank * (a.shape[0] + b.shape[0]) * 2
+            delta = a @ b.T
         else:
+            delta = delta.bfloat16().float()
             nbytes += delta.numel() * 2
         out[n] = (h.float() + delta).to(h.dtype)
     return out, nbytes
@@ -73,6 +85,7 @@ class MeshReference:
     def __init__(self, trainer):
         self.period = trainer.cfg.mask.reference_refresh
         self.rank = trainer.cfg.mask.reference_refresh_rank
+        self.bits = trainer.cfg.mask.reference_refresh_bits
         self.references = trainer.references  # one per replica chain with a rank, else one shared
         self.refreshes = 0
 
@@ -90,7 +103,7 @@ class MeshReference:
                 for s, w in enumerate(chain):
                     if self.rank:
                         weights[s], size = low_rank_step(dict(reference.stages[s].named_parameters()), weights[s],
-                                                         self.rank)
+                                                         self.rank, self.bits)
                     else:
                         size = sum(p.numel() * 2 for p in w.module.parameters())
                     trainer.counter.add("ref", size * followers(s, trainer.num_stages, mode))
