@@ -375,10 +375,15 @@ VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_rr10_fisher_f8_log8_dp_r1_h20_kr_b
 VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_rr10r1_fisher_f8_log8_dp_r1_h20_kr_b32"] = [
     *VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_rr10_fisher_f8_log8_dp_r1_h20_kr_b32"],
     "mask.reference_refresh_rank=1"]
-# and with a quarter bit forward (36 B/token less): within 1/40 of dense with the rank-1 moves' 21 B/token
+# and with a quarter bit forward (36 B/token less)
 VARIANTS["rotq1_refmap64_tc144_g72_p10_first3_rr10r1_fisher_f8_log8_dp_r1_h20_kr_b32"] = [
     *VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_rr10r1_fisher_f8_log8_dp_r1_h20_kr_b32"],
     "mask.reference_code_bits=144"]
+# with DP each chain's moves reach its own followers, so per token the ref axis doubles at 2 replicas (43 B/token
+# in bf16): the quarter bit and int8 factors together (~110 B/token, under dense/40)
+VARIANTS["rotq1_refmap64_tc144_g72_p10_first3_rr10r1q8_fisher_f8_log8_dp_r1_h20_kr_b32"] = [
+    *VARIANTS["rotq1_refmap64_tc144_g72_p10_first3_rr10r1_fisher_f8_log8_dp_r1_h20_kr_b32"],
+    "mask.reference_refresh_bits=8"]
 # the rank-1 moves' factors in int8 (mask.reference_refresh_bits = 8; half the ref bytes), at the table's batch
 VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_rr10r1q8_fisher_f8_log8"] = [
     *VARIANTS["rotq1_refmap64_tc288_g72_p10_first3_rr10r1_fisher_f8_log8"], "mask.reference_refresh_bits=8"]
