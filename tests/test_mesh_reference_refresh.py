@@ -163,6 +163,10 @@ def test_with_dp_each_chain_moves_its_own_reference_towards_its_own_weights(tiny
     one = MeshTrainer(tiny_cfg(*BASE, "mask.reference_refresh=2", "mask.reference_refresh_rank=1"), cache_dir)
     with pytest.raises(ValueError, match="2 references"):
         one.refresh.load_state_dict(state)
+    one.refresh.load_state_dict({"refreshes": 1, "weights": state["weights"][1]})  # the one-reference form
+    for s, m in enumerate(one.reference.stages):
+        for n, p in m.named_parameters():
+            assert torch.equal(p, held[1][s][n])
 
 
 def test_with_dp_the_reference_takes_the_start_weights_and_counts_the_rounds(tiny_cfg, cache_dir):

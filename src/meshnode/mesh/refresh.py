@@ -21,8 +21,8 @@ its residual maps (:meth:`~meshnode.stage.StageWorker.reference_moved`):
   rounds are then not followed and not counted on ``ref``).
 
 Both ends of a boundary move at the same step (one process). The swarm does not do this yet (``meshnode join``
-refuses the key): its peers would need every stage's DP rounds, and a payload would have to name the reference it
-was coded against.
+refuses the key): its peers would need every stage's DP rounds (or, with a rank, the moves of their own chain's
+stage peers), and a payload would have to name the reference it was coded against.
 """
 
 from __future__ import annotations
@@ -128,6 +128,8 @@ class MeshReference:
 
     def load_state_dict(self, state: dict) -> None:
         weights = state["weights"]
+        if weights and isinstance(weights[0], dict):  # saved before the references were per chain: one reference
+            weights = [weights]
         if len(weights) != len(self.references):
             raise ValueError(f"the state holds {len(weights)} references, this run {len(self.references)}")
         for reference, held in zip(self.references, weights):
