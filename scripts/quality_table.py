@@ -475,8 +475,10 @@ def run_one(task: str, name: str, overrides: list[str], steps: int, args, eval_s
         records.append(rec)
         if live_gains and "loss" in rec:
             refresh_next_gains(trainer)
-        if "loss" in rec and (rec["step"] + 1) % 10 == 0:
-            logger.info("%s/%s step %d loss %.4f", task, name, rec["step"] + 1, rec["loss"])
+        if "loss" in rec and (rec["step"] + 1) % 10 == 0:  # with the bytes so far: a run that dies leaves them too
+            so_far = {a: rec["bytes"][a] / max(1, rec["tokens"]) for a in AXES if rec.get("bytes", {}).get(a)}
+            logger.info("%s/%s step %d loss %.4f, B/token so far %s (total %.1f)", task, name, rec["step"] + 1,
+                        rec["loss"], {a: round(v, 1) for a, v in so_far.items()}, sum(so_far.values()))
         if "heldout_loss" in rec:  # in the log as it comes: a run that dies still leaves its evaluations
             logger.info("%s/%s held-out loss %.4f at step %d", task, name, rec["heldout_loss"], rec["step"])
 
