@@ -189,7 +189,14 @@ def test_anchor_follows_dp_instead_of_fetching_weights(swarm_factory, tmp_path, 
       "mask.reference_map_period=2", "mask.reference_code_bits=32", "mask.reference_grad_code_bits=32",
       "mask.reference_fit_bits=8", "mask.reference_code_metric=fisher", "mask.reference_code_grad=project"],
      (0.5, 2.0)),
-], ids=["m90", "rotq4g1", "m90_vcorr", "m90_ref", "rotq1_refmap", "rotq1_refmap_tc", "rotq1_refmap_tc_g"])
+    # and the reference moves (mask.reference_refresh_rank): after steps 3 and 6 each stage's peer sends its rank-1
+    # int8 move to the peers whose plan computes its stage, and every peer applies all of them at its first
+    # microbatch of the next step (at step 6 the new fits are withdrawn, as in the mesh)
+    (["mask.codec=rotq", "mask.bits=1", "mask.reference=both", "mask.reference_map_rank=8",
+      "mask.reference_map_period=2", "mask.reference_code_bits=32", "mask.reference_refresh=3",
+      "mask.reference_refresh_rank=1", "mask.reference_refresh_bits=8"], (0.8, 2.0)),
+], ids=["m90", "rotq4g1", "m90_vcorr", "m90_ref", "rotq1_refmap", "rotq1_refmap_tc", "rotq1_refmap_tc_g",
+        "rotq1_refmap_tc_rr"])
 def test_equivalence_with_in_process_mesh(swarm_factory, tmp_path, cache_dir, codec, grad_share):
     """One peer per stage, compressed boundaries: the swarm's losses are the mesh's.
 
@@ -223,16 +230,33 @@ def test_equivalence_with_in_process_mesh(swarm_factory, tmp_path, cache_dir, co
 
     from meshnode.mesh import MeshTrainer
 
+    mesh_bytes = {}
+
     def mesh_losses(cfg) -> list[float]:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
             trainer = MeshTrainer(cfg, cache_dir)
-            return [trainer.train_step()["replica_loss"][0] for _ in range(steps)]
+            out = [trainer.train_step()["replica_loss"][0] for _ in range(steps)]
+            mesh_bytes.setdefault("ref", trainer.counter.snapshot().get("ref", 0))
+            return out
         finally:
             torch.set_num_threads(threads)
 
     assert swarm_losses == pytest.approx(mesh_losses(sw.cfg), abs=1e-5)
+    if sw.cfg.mask.reference_refresh:  # every stage's moves reached its followers: the mesh's ref bytes, by the logs
+        pattern = re.compile(r"reference move (\d+) \((\d+) bytes\) sent to (\d+) followers")
+
+        def sent():
+            found = [m for p in sw.procs for m in pattern.findall(p.log.read_text())]
+            return found if len(found) == 2 * 3 else None  # 2 moves (steps 3, 6) of 3 stages
+
+        moves = wait_for(sent, 60, "the reference moves' log lines")
+        assert sorted(int(m[0]) for m in moves) == [1, 1, 1, 2, 2, 2]
+        assert all(int(m[2]) == 2 for m in moves)  # with mask.reference = both, every other stage follows each
+        assert sum(int(m[1]) * int(m[2]) for m in moves) == mesh_bytes["ref"] > 0
+        plain = mesh_losses(load_config(TINY, [o for o in over if not o.startswith("mask.reference_refresh")]))
+        assert max(abs(a - b) for a, b in zip(swarm_losses, plain)) > 1e-4
     if sw.cfg.dp.v_correction:  # and the correction mattered: without it the same replica's losses differ
         plain = mesh_losses(load_config(TINY, [o for o in over if o != "dp.v_correction=true"]))
         assert max(abs(a - b) for a, b in zip(swarm_losses, plain)) > 1e-4

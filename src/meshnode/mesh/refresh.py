@@ -31,8 +31,8 @@ import logging
 
 import torch
 
-from ..compression.quant import fake_quantize, quantized_nbytes
-from ..stage.reference import peer_plan
+from ..stage.moves import apply_move, make_move, move_nbytes
+from ..stage.reference import follower_stages
 
 logger = logging.getLogger(__name__)
 
@@ -40,43 +40,18 @@ logger = logging.getLogger(__name__)
 def followers(stage: int, num_stages: int, mode: str) -> int:
     """How many peers of one replica chain compute the frozen ``stage`` for reference coding in ``mode``, other than
     the peer of ``stage`` itself (which trains it): each needs its weights when the reference moves."""
-    count = 0
-    for s in range(num_stages):
-        if s == stage:
-            continue
-        prefix, suffixes = peer_plan(s, num_stages, mode)
-        count += stage in prefix or stage in suffixes
-    return count
+    return len(follower_stages(stage, num_stages, mode))
 
 
-@torch.no_grad()
 def low_rank_step(held: dict[str, torch.Tensor], live: dict[str, torch.Tensor], rank: int, bits: int = 16
                   ) -> tuple[dict[str, torch.Tensor], int]:
     """``held`` moved towards ``live``: each matrix by the best rank-``rank`` approximation (SVD, float32) of
     ``live - held``, a vector (or a matrix of rank at most ``rank``) all the way; and the bytes of what that takes.
-    What is added is what would be sent, rounded as sent: the factors ``U S`` and ``V`` in bfloat16 (``bits = 16``)
-    or in int8 with one float32 scale a column (``bits = 8``), a tensor sent whole as its change in bfloat16. The
-    next step is taken from the reference so held, so no rounding accumulates."""
-    if bits not in (8, 16):
-        raise ValueError(f"reference refresh factors go in 16 (bfloat16) or 8 bits, got {bits}")
-    out, nbytes = {}, 0
-    for n, h in held.items():
-        delta = live[n].detach().float() - h.float()
-        if delta.dim() == 2 and rank < min(delta.shape):
-            u, sv, vh = torch.linalg.svd(delta, full_matrices=False)
-            a, b = u[:, :rank] * sv[:rank], vh[:rank].T.contiguous()  # (m, r), (n, r)
-            if bits == 8:
-                a, b = fake_quantize(a, 8, dim=0), fake_quantize(b, 8, dim=0)
-                nbytes += quantized_nbytes(rank, a.shape[0], 8) + quantized_nbytes(rank, b.shape[0], 8)
-            else:
-                a, b = a.bfloat16().float(), b.bfloat16().float()
-                nbytes += rank * (a.shape[0] + b.shape[0]) * 2
-            delta = a @ b.T
-        else:
-            delta = delta.bfloat16().float()
-            nbytes += delta.numel() * 2
-        out[n] = (h.float() + delta).to(h.dtype)
-    return out, nbytes
+    What is added is what would be sent (:mod:`meshnode.stage.moves`), rounded as sent: the factors ``U S`` and
+    ``V`` in bfloat16 (``bits = 16``) or in int8 with one float32 scale a factor (``bits = 8``), a tensor sent whole
+    as its change in bfloat16. The next step is taken from the reference so held, so no rounding accumulates."""
+    move = make_move(held, live, rank, bits)
+    return apply_move(held, move), move_nbytes(move)
 
 
 class MeshReference:
@@ -101,15 +76,20 @@ class MeshReference:
             for reference, chain in zip(self.references, trainer.workers):
                 weights = [{n: p.detach() for n, p in w.module.named_parameters()} for w in chain]
                 for s, w in enumerate(chain):
-                    if self.rank:
-                        weights[s], size = low_rank_step(dict(reference.stages[s].named_parameters()), weights[s],
-                                                         self.rank, self.bits)
+                    if self.rank:  # what a swarm peer of the stage sends its followers (stage.moves)
+                        weights[s] = make_move(dict(reference.stages[s].named_parameters()), weights[s], self.rank,
+                                               self.bits)
+                        size = move_nbytes(weights[s])
                     else:
                         size = sum(p.numel() * 2 for p in w.module.parameters())
                     trainer.counter.add("ref", size * followers(s, trainer.num_stages, mode))
                 moved.append(weights)
         for reference, weights in zip(self.references, moved):
-            reference.load_weights(weights)
+            if self.rank:  # every stage's move made from the reference as held before any is applied
+                for s, move in enumerate(weights):
+                    reference.apply_move(s, move)
+            else:
+                reference.load_weights(weights)
         for chain in trainer.workers:
             for w in chain:
                 w.reference_moved()

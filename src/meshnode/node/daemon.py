@@ -48,8 +48,10 @@ from ..compression import ByteCounter
 from ..config import RunConfig, check_model_width
 from ..protocol import keys
 from ..protocol.limits import Limits
+from ..protocol.messages import pack
 from ..protocol.records import PeerRecord
 from ..protocol.servicer import RPCServicer, StageServicer, collect_stream
+from ..stage.moves import move_size
 from .claim import choose_shard, choose_stage, in_transit, should_rebalance, stage_loads, stage_rates
 from .host import StageHost, pieces_bytes, state_bytes_bound, state_chunk_bytes, weights_from_chunks
 from .status import driver_step, swarm_health
@@ -225,9 +227,48 @@ class SwarmNode:
             reference.autocast = worker.autocast
             worker.reference = reference
             logger.info("reference model %s (its digest: the next stage accepts only the same)", reference.digest)
-        limits = Limits.from_config(self.cfg, hidden, vocab)
-        return StageHost(worker, self.cfg, limits, self.run_id, call_next=self._call_next, threads=self.opts.threads,
+        move_bytes = 0
+        if reference is not None and self.cfg.mask.reference_refresh_rank:  # the largest stage's reference move
+            m = self.cfg.mask
+            move_bytes = max(move_size({n: tuple(p.shape) for n, p in st.named_parameters()},
+                                       m.reference_refresh_rank, m.reference_refresh_bits) for st in reference.stages)
+            move_bytes += 256 * max(len(list(st.parameters())) for st in reference.stages)  # names, dtypes, shapes
+        limits = Limits.from_config(self.cfg, hidden, vocab, ref_move_bytes=move_bytes)
+        host = StageHost(worker, self.cfg, limits, self.run_id, call_next=self._call_next, threads=self.opts.threads,
                          slowdown=self.opts.slowdown)
+        if reference is not None and self.cfg.mask.reference_refresh:
+            from .refmoves import SwarmReference
+
+            host.ref_moves = SwarmReference(host, push=self._push_move)
+            host.after_step_hooks.append(host.ref_moves.after_step)
+        return host
+
+    async def _push_move(self, stages: list[int], request: dict[str, Any]) -> int:
+        """Send a reference move to every online peer of ``stages`` (:mod:`.refmoves`), each tried up to
+        ``limits.max_retries`` times; returns how many took it."""
+        from hivemind.p2p import PeerID
+
+        from ..protocol.servicer import RPCError, call_rpc
+
+        limits = self.host.limits
+        payload = pack(request)  # packed once for every follower
+
+        async def send(peer_id: str) -> bool:
+            for attempt in range(limits.max_retries):
+                try:
+                    await call_rpc(self.swarm.p2p, PeerID.from_base58(peer_id), f"{self.run_id}.rpc_reference_move",
+                                   payload, max_bytes=limits.max_message_bytes, timeout=limits.rpc_timeout,
+                                   connect_timeout=limits.connect_timeout)
+                    return True
+                except RPCError as exc:  # refused: sending it again changes nothing
+                    logger.warning("reference move refused by %s: %s", peer_id[-8:], exc)
+                    return False
+                except Exception as exc:  # noqa: BLE001 (a lost connection: try again)
+                    logger.info("reference move to %s failed (attempt %d): %r", peer_id[-8:], attempt + 1, exc)
+            return False
+
+        peers = [p.peer_id for s in stages for p in self.swarm.candidates(s, include_avoided=True)]
+        return sum(await asyncio.gather(*(send(p) for p in peers)))
 
     async def _call_next(self, stage: int, build) -> dict[str, Any]:
         return await self.swarm.call_stage(stage, build, stall_timeout=60.0, is_stopping=self.leaving.is_set)
@@ -244,7 +285,7 @@ class SwarmNode:
             loss=_finite(self.last_loss if self.role == "driver" else (host.last_loss if host else None)),
             bytes={k: v for k, v in self.counter.snapshot().items() if k != "total"},
             prior_step=self.prior_step, dp_syncs=host.dp_syncs() if host else 0,
-            skipped_steps=host.skipped_steps if host else 0, reference=host.reference_digest if host else None,
+            skipped_steps=host.skipped_steps if host else 0, reference=_record_reference(host),
             ref_mismatch=min(float(host.worker.ref_mismatch), 1e12) if host else 0.0,
             ref_refused=host.worker.ref_refused if host else 0,
             shard=self.shard,
@@ -500,6 +541,8 @@ class SwarmNode:
             self._served_driver_step = max(self._served_driver_step, host.driver_step)
         if host is not None and host.dp is not None:
             await asyncio.to_thread(host.dp.shutdown)  # hivemind joins its averager process: not on the loop
+        if host is not None and host.ref_moves is not None:
+            await host.ref_moves.close()  # moves still being sent
         if self.servicer is not None and self.swarm is not None and self.swarm.p2p is not None:
             with contextlib.suppress(Exception):
                 await self.servicer.remove_p2p_handlers(self.swarm.p2p, self.run_id)
@@ -738,6 +781,15 @@ async def _cancel(tasks: list[asyncio.Task]) -> None:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await t
     tasks.clear()
+
+
+def _record_reference(host: StageHost | None) -> str | None:
+    """The reference a peer's record names: its digest, or with a moving reference the digest of the weights the
+    moves started from (peers apply each move at their own first microbatch of its step, so the moved digests of
+    two peers differ for a moment at every move; the forward requests compare those)."""
+    if host is None or host.worker.reference is None:
+        return None
+    return host.worker.reference.origin_digest if host.ref_moves is not None else host.reference_digest
 
 
 def _finite(x: float | None) -> float | None:

@@ -62,6 +62,9 @@ logger = logging.getLogger(__name__)
 NextCall = Callable[[int, Callable[[int, str], dict[str, Any]]], Awaitable[dict[str, Any]]]
 
 
+_UNCHECKED = object()  # process(): no reference digest to compare (checked before, or none sent)
+
+
 class BusyError(WireError):
     """The replica is stepping (e.g. in a DP round); the caller should try another peer or retry shortly."""
 
@@ -122,6 +125,8 @@ class StageHost:
         # first payload for each peer of the next stage; peer id -> the map (sender, version) that peer answered for
         self.worker.ship_maps = False
         self._maps_sent: dict[str, tuple[int, int]] = {}
+        # the moving reference (mask.reference_refresh with a rank): a SwarmReference, set by the daemon
+        self.ref_moves = None
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -319,14 +324,16 @@ class StageHost:
 
     async def process(
         self, *, driver: str, step: int, mb: int, attempt: int, inputs: torch.Tensor | EncodedPayload,
-        labels: torch.Tensor, admit_timeout: float | None = None,
+        labels: torch.Tensor, admit_timeout: float | None = None, reference: object = _UNCHECKED,
     ) -> tuple[EncodedPayload | None, float]:
         """Forward this microbatch, send it on (or compute the loss), backward; returns (input grad, loss).
 
         A retry (same driver, step and microbatch, another attempt) of one completed here gets the same result
         again, and one of an attempt still running here waits for that attempt's result: either way without a
         place in the step, so its gradient is accumulated and counted once. ``admit_timeout``: how long to wait
-        at a closed gate before :class:`BusyError` (None: as long as it takes; the driver's own stage 0)."""
+        at a closed gate before :class:`BusyError` (None: as long as it takes; the driver's own stage 0).
+        ``reference``: the digest of the reference the caller coded against, compared with this peer's once its
+        reference is at the microbatch's version (a moving reference: :mod:`.refmoves`)."""
         key = (driver, step, mb)
         while True:
             done = self._completed.get(key)
@@ -348,7 +355,7 @@ class StageHost:
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # read by no one: not logged as lost
         self._running[key] = fut
         try:
-            result = await self._serve(driver, step, mb, inputs, labels, admit_timeout)
+            result = await self._serve(driver, step, mb, inputs, labels, admit_timeout, reference)
         except asyncio.CancelledError:
             fut.cancel()
             raise
@@ -363,12 +370,16 @@ class StageHost:
 
     async def _serve(
         self, driver: str, step: int, mb: int, inputs: torch.Tensor | EncodedPayload, labels: torch.Tensor,
-        admit_timeout: float | None,
+        admit_timeout: float | None, reference: object = _UNCHECKED,
     ) -> tuple[EncodedPayload | None, float]:
         await self._enter(admit_timeout)
         completed = False
         mbid = MicrobatchId(step, mb, driver)  # two drivers' same (step, mb) are two microbatches in flight
         try:
+            if self.ref_moves is not None:  # the reference at this step's version before anything uses it
+                await self.ref_moves.at_step(step)
+            if reference is not _UNCHECKED and reference != self.reference_digest:
+                raise WireError(self._reference_mismatch(reference))
             try:
                 # inside the try: a call cancelled while the forward runs on the thread still leaves its graph in
                 # flight there, which the discard (queued behind it on the same thread) frees
@@ -446,6 +457,10 @@ class StageHost:
         if theirs is None:
             return ("the caller codes against no reference model (its mask.reference differs, or it runs an older "
                     f"meshnode) and this peer against {mine}")
+        if self.ref_moves is not None:
+            return (f"the caller's reference model {theirs} is not this peer's {mine} at reference version "
+                    f"{self.worker.reference.versions}: they started from different weights or applied different "
+                    "moves (a peer that joined after the first move cannot follow them yet)")
         return (f"the caller's reference model {theirs} is not this peer's {mine}: they hold different pretrained "
                 "weights, and a payload coded against one decodes wrong against the other")
 
@@ -469,6 +484,8 @@ class StageHost:
         fit = fits.history.get(key[1]) if fits is not None else None
         if fit is None:
             raise error(f"{what} {key[1]} is no longer held")
+        if key[1] == fits.version:
+            fits.shipped = True  # gone out: a reference move keeps it (ResidualMap.forget_map), as in the mesh
         self.worker.count(axis, fit.nbytes())
         return ResidualMap.with_map(payload, fit)
 
@@ -480,7 +497,8 @@ class StageHost:
             raise WireError("stage 0 takes no forward requests (it is fed by its driver)")
         req = parse_forward(request, self.limits, run=self.run_id, stage=self.stage,
                             mask_version=self.cfg.mask.version)
-        if req.reference != self.reference_digest:
+        moving = self.ref_moves is not None  # compared once this peer's reference is at the step's version
+        if not moving and req.reference != self.reference_digest:
             raise WireError(self._reference_mismatch(req.reference))
         self._check_replay(req.driver, req.step, req.mb, req.attempt)
         self.driver_step = max(self.driver_step, req.step)
@@ -491,6 +509,7 @@ class StageHost:
             grad_in, loss = await self.process(
                 driver=req.driver, step=req.step, mb=req.mb, attempt=req.attempt, inputs=req.payload,
                 labels=req.labels, admit_timeout=self.busy_timeout,
+                **({"reference": req.reference} if moving else {}),
             )
         except StageError as exc:
             raise WireError(str(exc)) from None
@@ -509,6 +528,12 @@ class StageHost:
         if mbid not in self.worker.in_flight:
             raise WireError(f"no forward of microbatch (step {req.step}, mb {req.mb}) is held by this peer")
         raise WireError("microbatch is owned by a running chain; its gradient comes in the rpc_forward reply")
+
+    async def reference_move(self, request: dict[str, Any], sender: str) -> dict[str, Any]:
+        """``rpc_reference_move``: another stage's reference move (:mod:`.refmoves`)."""
+        if self.ref_moves is None:
+            raise WireError("this peer's reference does not move (mask.reference_refresh differs)")
+        return await self.ref_moves.receive(request, sender)
 
     def info(self) -> dict[str, Any]:
         return {

@@ -38,7 +38,9 @@ class Limits:
     max_retries: int = 3
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, hidden: int, vocab: int) -> Limits:
+    def from_config(cls, cfg: RunConfig, hidden: int, vocab: int, ref_move_bytes: int = 0) -> Limits:
+        """``ref_move_bytes``: the largest reference move of a stage (``mask.reference_refresh_rank``,
+        :func:`meshnode.stage.moves.move_size`), which one ``rpc_reference_move`` message carries."""
         batch = max(cfg.train.batch_size, cfg.anchor.batch_size or 0)
         seq = cfg.data.seq_len
         dense = batch * seq * hidden * 4  # float32, the widest wire dtype
@@ -48,7 +50,7 @@ class Limits:
             # and a transform code (the activation's with the map, or the gradient's): basis (H, m <= H) bfloat16,
             # scales, bits
             ref_map += hidden * hidden * 2 + hidden * 5
-        body = max(2 * dense + labels + ref_map, WEIGHT_CHUNK_BYTES) + FRAME_SLACK
+        body = max(2 * dense + labels + ref_map, WEIGHT_CHUNK_BYTES, ref_move_bytes) + FRAME_SLACK
         return cls(max_message_bytes=int(body), max_batch=batch, max_seq=seq, hidden=hidden, vocab=vocab)
 
 

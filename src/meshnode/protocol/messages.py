@@ -356,6 +356,43 @@ def _parse_common(obj: dict[str, Any], run: str, receiver_stage: int) -> Microba
     )
 
 
+def reference_move_request(*, run: str, stage: int, version: int, move: dict[str, dict[str, Tensor]]
+                           ) -> dict[str, Any]:
+    """``rpc_reference_move``: version ``version`` of stage ``stage``'s reference move (:mod:`meshnode.stage.moves`),
+    ``{name: {part: [dtype, shape, bytes]}}``."""
+    return {"run": run, "stage": int(stage), "version": int(version),
+            "move": {n: {k: [str(t.dtype).removeprefix("torch."), list(t.shape), tensor_to_bytes(t)]
+                         for k, t in parts.items()} for n, parts in move.items()}}
+
+
+MAX_MOVE_PARTS = 4  # a low-rank matrix in int8: a, a_scale, b, b_scale
+
+
+def parse_reference_move(obj: dict[str, Any], *, run: str, num_stages: int
+                         ) -> tuple[int, int, dict[str, dict[str, Tensor]]]:
+    """(stage, version, move) of a :func:`reference_move_request`, its tensors rebuilt (dtype, dims, byte length and
+    finite values checked); whether the move fits the stage's parameters is the receiver's check
+    (:func:`meshnode.stage.moves.check_move`)."""
+    if obj.get("run") != run:
+        raise WireError(f"reference move for run {obj.get('run')!r}, this peer serves {run!r}")
+    stage = _int(obj, "stage", 0, num_stages - 1)
+    version = _int(obj, "version", 1)
+    body = obj.get("move")
+    if not isinstance(body, dict) or not body:
+        raise WireError("reference move: move must be a non-empty map of parameter names")
+    move: dict[str, dict[str, Tensor]] = {}
+    for name, parts in body.items():
+        if not isinstance(name, str) or not isinstance(parts, dict) or not 0 < len(parts) <= MAX_MOVE_PARTS:
+            raise WireError(f"reference move: entry {str(name)[:64]!r} is not a map of at most {MAX_MOVE_PARTS} parts")
+        move[name] = {}
+        for part, spec in parts.items():
+            if not isinstance(part, str) or not isinstance(spec, list) or len(spec) != 3:
+                raise WireError(f"reference move of {name[:64]!r}: part {str(part)[:16]!r} is not "
+                                "[dtype, shape, bytes]")
+            move[name][part] = tensor_from_bytes(spec[2], spec[0], spec[1])
+    return stage, version, move
+
+
 def reply_ok(*, loss: float | None = None, payload: EncodedPayload | None = None, **extra: Any) -> dict[str, Any]:
     wire = None if payload is None else payload_to_wire(payload)
     out = {"v": PROTOCOL_VERSION, "ok": True, "loss": loss, "payload": wire}
@@ -370,6 +407,7 @@ def reply_error(message: str) -> dict[str, Any]:
 __all__ = [
     "ALLOWED_CODECS", "MicrobatchRequest", "PROTOCOL_VERSION", "TENSOR_DTYPES", "WireError", "backward_request",
     "forward_request", "labels_from_wire", "labels_to_wire", "pack", "parse_backward", "parse_forward",
-    "payload_from_wire", "payload_to_wire", "read_frame", "reply_error", "reply_ok", "tensor_from_bytes",
+    "parse_reference_move", "payload_from_wire", "payload_to_wire", "read_frame", "reference_move_request",
+    "reply_error", "reply_ok", "tensor_from_bytes",
     "tensor_to_bytes", "unpack", "write_frame",
 ]

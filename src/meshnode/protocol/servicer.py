@@ -44,6 +44,8 @@ class StageBackend(Protocol):
 
     async def backward(self, request: dict[str, Any]) -> dict[str, Any]: ...
 
+    async def reference_move(self, request: dict[str, Any], sender: str) -> dict[str, Any]: ...
+
     def info(self) -> dict[str, Any]: ...
 
     def weights_stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
@@ -115,7 +117,8 @@ class RPCServicer:
 
 
 class StageServicer(RPCServicer):
-    """``rpc_forward``, ``rpc_backward``, ``rpc_info``, ``rpc_get_weights``, ``rpc_get_state``, ``rpc_dp_log``."""
+    """``rpc_forward``, ``rpc_backward``, ``rpc_reference_move``, ``rpc_info``, ``rpc_get_weights``,
+    ``rpc_get_state``, ``rpc_dp_log``."""
 
     def __init__(self, backend: StageBackend, max_message_bytes: int):
         super().__init__(max_message_bytes)
@@ -126,6 +129,9 @@ class StageServicer(RPCServicer):
 
     async def rpc_backward(self, request: dict[str, Any], context: RPCContext) -> dict[str, Any]:
         return await self.backend.backward(request)
+
+    async def rpc_reference_move(self, request: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+        return await self.backend.reference_move(request, str(context.remote_id))
 
     async def rpc_info(self, request: dict[str, Any], context: RPCContext) -> dict[str, Any]:
         return {"ok": True, **self.backend.info()}

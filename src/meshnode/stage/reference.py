@@ -87,6 +87,7 @@ from ..compression import (
 )
 from ..compression.quant import dequantize_absmax, quantize_absmax, unpack_int4
 from ..compression.transform import MAX_CODE_BITS, fit_transform
+from .moves import Move, apply_move
 
 REFERENCE_MODES = ("none", "forward", "both")
 
@@ -115,6 +116,10 @@ class ReferenceModel:
         self.stage_backwards = 0
         self._weights_hash: str | None = None
         self._digests: dict[str, str] = {}  # precision -> digest (every forward request carries one)
+        # reference moves (mask.reference_refresh_rank): how many each stage took, and each move applied since the
+        # weights were hashed last (the digest chains them instead of hashing every weight again)
+        self.versions = [0] * len(self.stages)
+        self._moves_hash = ""
 
     @property
     def num_stages(self) -> int:
@@ -139,7 +144,48 @@ class ReferenceModel:
         self._acts.clear()
         self._grads.clear()
         self._weights_hash = None
+        self._moves_hash = ""
         self._digests.clear()
+
+    @torch.no_grad()
+    def apply_move(self, stage: int, move: Move) -> None:
+        """Move ``stage``'s weights by a reference move (:mod:`.moves`, checked by its receiver) and count it in
+        :attr:`versions`. The digest then names the weights before the first move and every move since, in order,
+        by their bytes: two holders agree on it when they started from the same weights and applied the same moves
+        (what makes their weights the same is that they run the same kernels; ``mask.reference_check`` measures
+        it). A move of names or shapes that do not fit is a ValueError, and nothing changes."""
+        if not 0 <= stage < self.num_stages:
+            raise ValueError(f"stage {stage} is not one of the reference's {self.num_stages}")
+        held = dict(self.stages[stage].named_parameters())
+        if set(move) != set(held):
+            raise ValueError(f"a reference move of stage {stage} does not name its parameters")
+        moved = apply_move(held, move)
+        if not all(bool(torch.isfinite(t).all()) for t in moved.values()):
+            raise ValueError(f"reference move of stage {stage} gives non-finite weights; not applied")
+        if self._weights_hash is None:
+            self._weights_hash = self._hash_weights()  # the weights the moves start from
+        h = hashlib.sha256(f"{self._moves_hash}/{stage}/{self.versions[stage] + 1};".encode())
+        for n in sorted(move):
+            for part in sorted(move[n]):
+                t = move[n][part].detach().cpu().contiguous()
+                h.update(f"{n}/{part}/{t.dtype}/{tuple(t.shape)};".encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy())
+        for n, p in held.items():
+            p.copy_(moved[n])
+        self.versions[stage] += 1
+        self._moves_hash = h.hexdigest()
+        self._acts.clear()
+        self._grads.clear()
+        self._digests.clear()
+
+    def _hash_weights(self) -> str:
+        h = hashlib.sha256()
+        for s, m in enumerate(self.stages):
+            for name, t in sorted(m.state_dict().items()):
+                t = t.detach().cpu()
+                h.update(f"{s}/{name}/{t.dtype}/{tuple(t.shape)};".encode())
+                h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+        return h.hexdigest()
 
     @property
     def digest(self) -> str:
@@ -150,15 +196,19 @@ class ReferenceModel:
         precision = self.precision  # a peer under bf16 autocast and one in float32 differ by bf16's rounding
         if precision not in self._digests:
             if self._weights_hash is None:
-                h = hashlib.sha256()
-                for s, m in enumerate(self.stages):
-                    for name, t in sorted(m.state_dict().items()):
-                        t = t.detach().cpu()
-                        h.update(f"{s}/{name}/{t.dtype}/{tuple(t.shape)};".encode())
-                        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-                self._weights_hash = h.hexdigest()
-            self._digests[precision] = hashlib.sha256(f"{self._weights_hash}/{precision}".encode()).hexdigest()[:16]
+                self._weights_hash = self._hash_weights()
+            moves = f"/{self._moves_hash}" if self._moves_hash else ""
+            self._digests[precision] = hashlib.sha256(
+                f"{self._weights_hash}{moves}/{precision}".encode()).hexdigest()[:16]
         return self._digests[precision]
+
+    @property
+    def origin_digest(self) -> str:
+        """:attr:`digest` of the weights before the first reference move (the same as :attr:`digest` until then):
+        what a peer's record names, which stays put while the moves come in (``meshnode status`` compares it)."""
+        if self._weights_hash is None:
+            self._weights_hash = self._hash_weights()
+        return hashlib.sha256(f"{self._weights_hash}/{self.precision}".encode()).hexdigest()[:16]
 
     @property
     def precision(self) -> str:
@@ -246,6 +296,17 @@ def peer_plan(stage: int, num_stages: int, mode: str) -> tuple[list[int], list[i
         for b in ([stage] if not last else []) + ([stage - 1] if stage > 0 else []):
             suffixes += list(range(b + 1, num_stages))
     return prefix, suffixes
+
+
+def follower_stages(stage: int, num_stages: int, mode: str) -> list[int]:
+    """The stages other than ``stage`` whose peers compute ``stage``'s frozen weights for ``mode``
+    (:func:`peer_plan`): where the weights of a reference that moves must reach (``mask.reference_refresh``)."""
+    out = []
+    for s in range(num_stages):
+        prefix, suffixes = peer_plan(s, num_stages, mode)
+        if s != stage and (stage in prefix or stage in suffixes):
+            out.append(s)
+    return out
 
 
 def peer_passes(stage: int, num_stages: int, mode: str) -> tuple[int, int]:
@@ -809,5 +870,5 @@ def map_bytes(hidden: int, rank: int) -> int:
 
 __all__ = ["CHECK_TENSOR", "CODE_TENSORS", "FIT_BITS", "MAP_META", "MAP_TENSORS", "MAX_MAP_SENDERS",
            "REFERENCE_MODES", "STEP_TENSORS", "MapFit", "MapStore", "ReferenceModel", "ResidualMap", "apply_map",
-           "map_bytes", "peer_passes", "peer_plan", "reference_difference", "reference_sample", "take_check",
-           "with_check"]
+           "follower_stages", "map_bytes", "peer_passes", "peer_plan", "reference_difference", "reference_sample",
+           "take_check", "with_check"]

@@ -1,0 +1,188 @@
+"""The moving reference in the swarm (``mask.reference_refresh`` with ``mask.reference_refresh_rank``).
+
+Reference coding (:mod:`meshnode.stage.reference`) codes each boundary against what a frozen copy of the model
+computes for the same tokens; every peer holds a copy of every stage it computes (:func:`~meshnode.stage.reference.
+peer_plan`). As in the in-process mesh (:mod:`meshnode.mesh.refresh`), after every ``mask.reference_refresh`` (K)
+optimizer steps the peer of a stage makes the best rank-r move of its stage's reference towards its live weights
+(:mod:`meshnode.stage.moves`) and sends it to every online peer whose plan computes that stage (its followers),
+with ``rpc_reference_move``; its bytes count on the ``ref`` axis, once per follower it reached.
+
+When they are applied: every microbatch of driver step n is coded against version ``n // K`` of every stage's
+reference. A peer brings its reference there when the first microbatch of such a step reaches it (the gate has let
+no microbatch of the step in before, and every microbatch of the step before has completed: no result of the old
+reference is still in use), waiting for a move that has not arrived yet up to :data:`MOVE_WAIT_S`; then every
+worker drops its residual maps (:meth:`~meshnode.stage.StageWorker.reference_moved`), as the mesh does. A move that
+arrives early is held until then. The forward request names the sender's reference by its digest, which chains
+the moves applied (:meth:`~meshnode.stage.ReferenceModel.apply_move`); the receiver compares it once its own
+reference is at the microbatch's version, so both ends of a boundary code against the same weights or the
+microbatch is refused.
+
+What it does not do yet: each stage's moves come from one peer (a second peer of a stage would move its own chain's
+reference, and a follower would need one reference per chain or fixed routes: a move from a second sender of a
+stage is refused with that reason); a peer that joins or restarts after the first move starts from the pretrained
+reference and cannot follow (its requests are refused by digest). ``meshnode join`` refuses DP with the refresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from ..protocol.messages import WireError, parse_reference_move, reference_move_request
+from ..stage import StageError
+from ..stage.moves import Move, check_move, make_move, move_nbytes
+from ..stage.reference import follower_stages, peer_plan
+
+logger = logging.getLogger(__name__)
+
+MOVE_WAIT_S = 120.0  # how long a microbatch waits for a reference move that has not arrived
+MAX_EARLY_VERSIONS = 2  # moves a peer holds ahead of the version it codes against, per stage
+
+# push(stage, request) -> the number of followers that took it
+Push = Callable[[list[int], dict[str, Any]], Awaitable[int]]
+
+
+class SwarmReference:
+    """One peer's side of the moving reference: makes and sends its stage's moves, takes the others' and applies
+    every move when a microbatch of the step it belongs to arrives (see the module docstring)."""
+
+    def __init__(self, host, push: Push | None):
+        cfg = host.cfg
+        self.host = host
+        self.period = cfg.mask.reference_refresh
+        self.rank = cfg.mask.reference_refresh_rank
+        self.bits = cfg.mask.reference_refresh_bits
+        self.stage, self.num_stages = host.stage, host.num_stages
+        self.reference = host.worker.reference
+        if self.reference is None or not self.period or not self.rank:
+            raise ValueError("a moving reference needs mask.reference, mask.reference_refresh and "
+                             "mask.reference_refresh_rank")
+        prefix, suffixes = peer_plan(self.stage, self.num_stages, cfg.mask.reference)
+        self.needed = sorted({self.stage, *prefix, *suffixes})  # the stages this peer's reference computes
+        self.followers = follower_stages(self.stage, self.num_stages, cfg.mask.reference)
+        self.push = push
+        self.pending: dict[int, dict[int, Move]] = {s: {} for s in self.needed}  # stage -> version -> move
+        self.senders: dict[tuple[int, int], str] = {}  # (stage, version) -> the peer it came from
+        self.moves_sent = 0
+        self._arrived = asyncio.Condition()
+        self._apply_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task] = set()
+
+    def version_of(self, step: int) -> int:
+        return step // self.period
+
+    # ---- this stage's moves ----------------------------------------------------------------
+
+    async def after_step(self, opt_step: int) -> None:
+        """The host's after-step hook: after every K-th step, this stage's move, held for the next step and sent
+        to its followers (in the background: the gate opens meanwhile, and a follower waits for it)."""
+        if opt_step % self.period:
+            return
+        version = self.version_of(opt_step)
+        if version != self.reference.versions[self.stage] + 1:
+            logger.warning("stage %d: step %d would make reference move %d, but the reference holds version %d of "
+                           "this stage; no move", self.stage, opt_step, version, self.reference.versions[self.stage])
+            return
+        move = await self.host.run(self._make)
+        async with self._arrived:
+            self.pending[self.stage][version] = move
+            self._arrived.notify_all()
+        if self.push is not None and self.followers:
+            request = reference_move_request(run=self.host.run_id, stage=self.stage, version=version, move=move)
+            task = asyncio.create_task(self._send(version, request, move_nbytes(move)))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _make(self) -> Move:
+        held = dict(self.reference.stages[self.stage].named_parameters())
+        live = {n: p.detach() for n, p in self.host.worker.module.named_parameters()}
+        return make_move(held, live, self.rank, self.bits)
+
+    async def _send(self, version: int, request: dict[str, Any], nbytes: int) -> None:
+        try:
+            reached = await self.push(self.followers, request)
+        except Exception as exc:  # noqa: BLE001 (the followers wait and refuse; this peer goes on)
+            logger.warning("stage %d: reference move %d was not sent: %r", self.stage, version, exc)
+            return
+        self.host.worker.count("ref", nbytes * reached)
+        self.moves_sent += 1
+        logger.info("stage %d: reference move %d (%d bytes) sent to %d followers", self.stage, version, nbytes,
+                    reached)
+
+    # ---- the others' moves -----------------------------------------------------------------
+
+    async def receive(self, request: dict[str, Any], sender: str) -> dict[str, Any]:
+        """``rpc_reference_move``: a move of another stage, checked and held until its step (WireError if it is
+        malformed, of a stage or version this peer does not expect, or from a second peer of that stage)."""
+        stage, version, move = parse_reference_move(request, run=self.host.run_id, num_stages=self.num_stages)
+        if stage == self.stage or stage not in self.needed:
+            raise WireError(f"a reference move of stage {stage}: this peer (stage {self.stage}) does not follow it")
+        held = dict(self.reference.stages[stage].named_parameters())
+        try:
+            check_move(move, held, self.rank, self.bits)
+        except ValueError as exc:
+            raise WireError(str(exc)) from None
+        async with self._arrived:
+            if version in self.pending[stage] or version <= self.reference.versions[stage]:
+                first = self.senders.get((stage, version))
+                if first is not None and first != sender:  # two peers of the stage, each moving its own chain's
+                    raise WireError(f"reference move {version} of stage {stage} came from peer {first[-8:]} already: "
+                                    "a moving reference follows one peer per stage (one replica chain) in this "
+                                    "version of meshnode")
+                return {"ok": True, "held": True}  # a resend: taken already
+            if version > self.reference.versions[stage] + MAX_EARLY_VERSIONS:
+                raise WireError(f"reference move {version} of stage {stage} is more than {MAX_EARLY_VERSIONS} ahead "
+                                f"of version {self.reference.versions[stage]} held here")
+            self.pending[stage][version] = move
+            self.senders[(stage, version)] = sender  # a peer that replaced the stage's last one may send the next
+            self._arrived.notify_all()
+        return {"ok": True}
+
+    # ---- applying them ---------------------------------------------------------------------
+
+    def _ready(self, target: int) -> bool:
+        return all(all(v in self.pending[s] for v in range(self.reference.versions[s] + 1, target + 1))
+                   for s in self.needed)
+
+    async def at_step(self, step: int) -> None:
+        """Bring this peer's reference to the version of driver step ``step`` before a microbatch of it is
+        computed: StageError if it is already past it, or a move has not arrived within :data:`MOVE_WAIT_S`."""
+        target = self.version_of(step)
+        async with self._apply_lock:
+            behind = [s for s in self.needed if self.reference.versions[s] < target]
+            ahead = [s for s in self.needed if self.reference.versions[s] > target]
+            if ahead:
+                raise StageError(f"stage {self.stage}: a microbatch of step {step} is coded against reference "
+                                 f"version {target}, and this peer's reference of stage {ahead[0]} has moved to "
+                                 f"{self.reference.versions[ahead[0]]}; refused")
+            if not behind:
+                return
+            async with self._arrived:
+                try:
+                    await asyncio.wait_for(self._arrived.wait_for(lambda: self._ready(target)), MOVE_WAIT_S)
+                except asyncio.TimeoutError:
+                    missing = [s for s in self.needed if not all(
+                        v in self.pending[s] for v in range(self.reference.versions[s] + 1, target + 1))]
+                    raise StageError(f"stage {self.stage}: reference move {target} of stage(s) {missing} did not "
+                                     f"arrive within {MOVE_WAIT_S:.0f} s (its peer left, or this peer joined after "
+                                     "it was sent)") from None
+                moves = [(s, v, self.pending[s].pop(v)) for s in self.needed
+                         for v in range(self.reference.versions[s] + 1, target + 1)]
+            await self.host.run(self._apply, moves)
+            logger.info("stage %d: reference at version %d for step %d (%d moves applied)", self.stage, target, step,
+                        len(moves))
+
+    def _apply(self, moves: list[tuple[int, int, Move]]) -> None:
+        for s, _, move in moves:
+            self.reference.apply_move(s, move)
+        self.host.worker.reference_moved()
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+__all__ = ["MOVE_WAIT_S", "SwarmReference"]
