@@ -629,6 +629,8 @@ class StageHost:
             # reference coding: this stage's own maps and codes (not those it was sent: their senders send again)
             "fits": {k: v for k, v in self.worker.fit_state().items() if k in ("map_out", "gcode_out")},
         }
+        if self.ref_moves is not None:  # the moving reference: every move applied and held (not sent again)
+            state["reference_moves"] = self.ref_moves.state_dict()
         if partial and (step := self.worker.partial_step()) is not None:
             state["partial"] = {"done": self._done, **step}
         torch.save(state, buf)
@@ -740,6 +742,8 @@ class StageHost:
             except (ValueError, KeyError, TypeError) as exc:
                 logger.warning("stage %d: the state's reference maps and codes do not fit this run (%s); they are "
                                "fitted again", self.stage, exc)
+        if self.ref_moves is not None and state.get("reference_moves") is not None:
+            self.ref_moves.load_state_dict(state["reference_moves"])  # last: what fails before it changed nothing
         return self._load_partial(state.get("partial")) if partial else 0
 
     def _load_partial(self, partial: Any) -> int:

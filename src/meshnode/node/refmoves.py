@@ -17,10 +17,14 @@ the moves applied (:meth:`~meshnode.stage.ReferenceModel.apply_move`); the recei
 reference is at the microbatch's version, so both ends of a boundary code against the same weights or the
 microbatch is refused.
 
+A peer's state (its checkpoint, what a joining partner copies) holds every move it applied and holds
+(:meth:`SwarmReference.state_dict`): a restarted peer replays them and codes against the same reference again.
+
 What it does not do yet: each stage's moves come from one peer (a second peer of a stage would move its own chain's
-reference, and a follower would need one reference per chain or fixed routes: a move from a second sender of a
-stage is refused with that reason); a peer that joins or restarts after the first move starts from the pretrained
-reference and cannot follow (its requests are refused by digest). ``meshnode join`` refuses DP with the refresh.
+reference, and a follower would need one reference per chain or fixed routes: a second peer's move of a version
+already taken is refused with that reason); a peer that joins after the first move without such a state starts from
+the pretrained reference and cannot follow (its requests are refused by digest). ``meshnode join`` refuses DP with
+the refresh.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class SwarmReference:
         self.pending: dict[int, dict[int, Move]] = {s: {} for s in self.needed}  # stage -> version -> move
         self.senders: dict[tuple[int, int], str] = {}  # (stage, version) -> the peer it came from
         self.moves_sent = 0
+        self.history: list[tuple[int, int, Move]] = []  # every move applied, in order: a restart replays them
         self._arrived = asyncio.Condition()
         self._apply_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
@@ -87,7 +92,7 @@ class SwarmReference:
             return
         move = await self.host.run(self._make)
         async with self._arrived:
-            self.pending[self.stage][version] = move
+            self._hold(self.stage, version, move)
             self._arrived.notify_all()
         if self.push is not None and self.followers:
             request = reference_move_request(run=self.host.run_id, stage=self.stage, version=version, move=move)
@@ -135,7 +140,7 @@ class SwarmReference:
             if version > self.reference.versions[stage] + MAX_EARLY_VERSIONS:
                 raise WireError(f"reference move {version} of stage {stage} is more than {MAX_EARLY_VERSIONS} ahead "
                                 f"of version {self.reference.versions[stage]} held here")
-            self.pending[stage][version] = move
+            self._hold(stage, version, move)
             self.senders[(stage, version)] = sender  # a peer that replaced the stage's last one may send the next
             self._arrived.notify_all()
         return {"ok": True}
@@ -168,16 +173,65 @@ class SwarmReference:
                     raise StageError(f"stage {self.stage}: reference move {target} of stage(s) {missing} did not "
                                      f"arrive within {MOVE_WAIT_S:.0f} s (its peer left, or this peer joined after "
                                      "it was sent)") from None
-                moves = [(s, v, self.pending[s].pop(v)) for s in self.needed
+                moves = [(s, v, self.pending[s][v]) for s in self.needed
                          for v in range(self.reference.versions[s] + 1, target + 1)]
+                for s in self.needed:  # replaced, not changed in place (state_dict may be reading them)
+                    self.pending[s] = {v: m for v, m in self.pending[s].items() if v > target}
             await self.host.run(self._apply, moves)
             logger.info("stage %d: reference at version %d for step %d (%d moves applied)", self.stage, target, step,
                         len(moves))
 
-    def _apply(self, moves: list[tuple[int, int, Move]]) -> None:
-        for s, _, move in moves:
+    def _hold(self, stage: int, version: int, move: Move) -> None:
+        self.pending[stage] = {**self.pending[stage], version: move}
+
+    def _apply(self, moves: list[tuple[int, int, Move]], restored: bool = False) -> None:
+        for s, v, move in moves:
             self.reference.apply_move(s, move)
-        self.host.worker.reference_moved()
+            self.history.append((s, v, move))
+        self.senders = {k: p for k, p in self.senders.items() if k[1] >= self.reference.versions[k[0]]}
+        if not restored:  # a restored state's fits are those made after these moves
+            self.host.worker.reference_moved()
+
+    # ---- state -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every move applied and every one held for a later step (what a restart needs to code against the same
+        reference as the peers that went on: the moves are not sent again). Taken on the host's thread."""
+        pending = dict(self.pending)
+        return {"applied": [[s, v, m] for s, v, m in list(self.history)],
+                "pending": [[s, v, m] for s in sorted(pending) for v, m in sorted(pending[s].items())]}
+
+    def load_state_dict(self, state: Any) -> None:
+        """Replay a :meth:`state_dict` onto a reference that has taken a prefix of its moves (a new peer's: none);
+        ValueError, with nothing changed, if a move does not fit (checked first) or the reference moved otherwise.
+        On the host's thread, before the peer serves."""
+        if not isinstance(state, dict) or not isinstance(state.get("applied"), list) or not isinstance(
+                state.get("pending"), list):
+            raise ValueError("not a reference moves state")
+        entries = []
+        for entry in (*state["applied"], *state["pending"]):
+            if not isinstance(entry, (list, tuple)) or len(entry) != 3 or not all(
+                    isinstance(x, int) and not isinstance(x, bool) for x in entry[:2]):
+                raise ValueError("a reference moves state entry is not [stage, version, move]")
+            entries.append(tuple(entry))
+        applied, pending = entries[:len(state["applied"])], entries[len(state["applied"]):]
+        done = [(s, v) for s, v, _ in self.history]
+        if [(s, v) for s, v, _ in applied[:len(done)]] != done:
+            raise ValueError("the state's reference moves do not continue those this peer applied")
+        versions = list(self.reference.versions)
+        for s, v, move in applied[len(done):]:
+            if s not in self.needed or v != versions[s] + 1:
+                raise ValueError(f"reference move {v} of stage {s} does not follow version {versions[s]}")
+            check_move(move, dict(self.reference.stages[s].named_parameters()), self.rank, self.bits)
+            versions[s] = v
+        for s, v, move in pending:
+            if s not in self.needed or v <= versions[s]:
+                raise ValueError(f"held reference move {v} of stage {s} is not after version {versions[s]}")
+            check_move(move, dict(self.reference.stages[s].named_parameters()), self.rank, self.bits)
+        self._apply(list(applied[len(done):]), restored=True)
+        self.pending = {s: {} for s in self.needed}
+        for s, v, move in pending:
+            self._hold(s, v, move)
 
     async def close(self) -> None:
         for task in list(self._tasks):
