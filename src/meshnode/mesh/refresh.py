@@ -20,9 +20,10 @@ its residual maps (:meth:`~meshnode.stage.StageWorker.reference_moved`):
   steps towards that chain's live weights (both ends of a boundary are in one chain, so they agree on it; the DP
   rounds are then not followed and not counted on ``ref``).
 
-Both ends of a boundary move at the same step (one process). The swarm does not do this yet (``meshnode join``
-refuses the key): its peers would need every stage's DP rounds (or, with a rank, the moves of their own chain's
-stage peers), and a payload would have to name the reference it was coded against.
+Both ends of a boundary move at the same step (one process). The swarm does the rank-r form with one peer per
+stage (:mod:`meshnode.node.refmoves`: the same :mod:`meshnode.stage.moves`, sent to each stage's followers and
+applied at the first microbatch of the next step; ``tests/test_swarm.py`` checks its losses and ``ref`` bytes are
+the mesh's); whole copies, DP's start weights and one reference per replica chain stay in the mesh.
 """
 
 from __future__ import annotations
