@@ -89,6 +89,13 @@ def test_demo_methods_make_valid_configs_and_unknown_ones_fail(cache_dir):
     rotq_bits = {"rotq4": (4, 0), "rotq4g1": (4, 1), "rotq2": (2, 0)}  # (activation bits, gradient bits; 0 = same)
     assert set(rotq_bits) <= set(DEMO_METHODS)
     for method in DEMO_METHODS:
+        if method.endswith("rr"):  # a moving reference: one peer per stage
+            with pytest.raises(ValueError, match="one peer per stage"):
+                method_overrides(method, tiny=True, dp_peers=2, anchor=True, anchor_key="k")
+            cfg = load_config(TINY, method_overrides(method, tiny=True, dp_peers=1, anchor=True, anchor_key="k"))
+            assert not cfg.dp.enabled and cfg.mask.reference_code_bits == 32
+            assert (cfg.mask.reference_refresh, cfg.mask.reference_refresh_rank) == (10, 1)
+            continue
         over = method_overrides(method, tiny=True, dp_peers=2, anchor=True, anchor_key="k")
         cfg = load_config(TINY, over)
         assert cfg.dp.enabled and cfg.anchor.enabled == (method == "m95")

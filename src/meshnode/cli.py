@@ -361,7 +361,8 @@ def demo(
         "--method", help="dense | m95 (M95 + anchor prior) | rotq4 | rotq2 (rotated 4 / 2-bit boundaries) | "
         "rotq4g1 (4-bit activations, 1-bit gradients) | rotq2ref (2 bits, coded against the frozen pretrained "
         "model's boundaries) | rotq1refmap (1 bit against them, less a linear prediction) | rotq1refmaptc (and "
-        "both ways in half a bit per coordinate: fitted transform codes).")] = "m95",
+        "both ways in half a bit per coordinate: fitted transform codes) | rotq1refmaptcrr (and the reference "
+        "moving every 10 steps by rank-1 moves; one peer per stage).")] = "m95",
     config: Annotated[Path | None, typer.Option("--config", "-c", help="Run config (default: built in).")] = None,
     set_: SetOpt = None,
     metrics_out: Annotated[Path | None, typer.Option("--metrics-out", help="Write the summary JSON here.")] = None,

@@ -83,7 +83,8 @@ eval_batches = 8
 """
 
 
-DEMO_METHODS = ("dense", "m95", "rotq4", "rotq4g1", "rotq2", "rotq2ref", "rotq1refmap", "rotq1refmaptc")
+DEMO_METHODS = ("dense", "m95", "rotq4", "rotq4g1", "rotq2", "rotq2ref", "rotq1refmap", "rotq1refmaptc",
+                "rotq1refmaptcrr")
 
 
 def method_overrides(method: str, *, tiny: bool, dp_peers: int, anchor: bool, anchor_key: str) -> list[str]:
@@ -95,11 +96,15 @@ def method_overrides(method: str, *, tiny: bool, dp_peers: int, anchor: bool, an
     the whole pretrained model), ``rotq1refmap`` (1 bit both ways against the reference, with the residual map:
     ``mask.reference_map_rank``, rank 64 refitted every 10 steps, 8 on the tiny model), ``rotq1refmaptc`` (the
     same, with the activations and the gradients in fitted transform codes of half a bit per coordinate:
-    ``mask.reference_code_bits`` and ``mask.reference_grad_code_bits`` 288 bits a token, 32 on the tiny model);
-    with DP when ``dp_peers > 1`` (then the
-    anchor takes its weights from the DP log: ``anchor.snapshot = dp``)."""
+    ``mask.reference_code_bits`` and ``mask.reference_grad_code_bits`` 288 bits a token, 32 on the tiny model),
+    ``rotq1refmaptcrr`` (the same against a reference that moves every 10 steps by each stage's rank-1 move in
+    int8: ``mask.reference_refresh``, one peer per stage, so not with ``dp_peers > 1``); with DP when
+    ``dp_peers > 1`` (then the anchor takes its weights from the DP log: ``anchor.snapshot = dp``)."""
     if method not in DEMO_METHODS:
         raise ValueError(f"unknown demo method {method!r} (one of {', '.join(DEMO_METHODS)})")
+    if method.endswith("rr") and dp_peers > 1:
+        raise ValueError(f"demo method {method} moves the reference, which the swarm does with one peer per stage: "
+                         "not with --dp-peers")
     if method == "dense":
         out = ["mask.ratio=0.0"]
     elif method == "rotq2ref":
@@ -107,9 +112,11 @@ def method_overrides(method: str, *, tiny: bool, dp_peers: int, anchor: bool, an
     elif method.startswith("rotq1refmap"):
         out = ["mask.codec=rotq", "mask.bits=1", "mask.reference=both", f"mask.reference_map_rank={8 if tiny else 64}",
                "mask.reference_map_period=10"]
-        if method.endswith("tc"):
+        if "tc" in method[len("rotq1refmap"):]:
             bits = 32 if tiny else 288
             out += [f"mask.reference_code_bits={bits}", f"mask.reference_grad_code_bits={bits}"]
+        if method.endswith("rr"):
+            out += ["mask.reference_refresh=10", "mask.reference_refresh_rank=1", "mask.reference_refresh_bits=8"]
     elif method.startswith("rotq"):
         bits, _, grad_bits = method[4:].partition("g")
         out = ["mask.codec=rotq", f"mask.bits={bits}", "mask.rotq_weight=norm_std"]
