@@ -59,6 +59,9 @@ def test_a_move_that_does_not_fit_is_refused():
     bad = {**move, "v": {"d": torch.full((7,), float("nan"), dtype=torch.bfloat16)}}
     with pytest.raises(ValueError, match="non-finite"):
         check_move(bad, held, 1, 8)
+    huge = {**move, "w": {**move["w"], "a_scale": torch.tensor([1e30])}}  # finite, but a^T b would overflow
+    with pytest.raises(ValueError, match="changes a weight by up to"):
+        check_move(huge, held, 1, 8)
     wire = reference_move_request(run="r", stage=0, version=1, move=move)
     for broken, needle in [({**wire, "run": "other"}, "for run"), ({**wire, "stage": 3}, "stage"),
                            ({**wire, "version": 0}, "version"), ({**wire, "move": {}}, "non-empty"),
@@ -161,10 +164,12 @@ def test_a_peer_waits_for_a_move_applies_it_at_its_step_and_refuses_what_does_no
         await steps_done(2)
         # a second peer of stage 1 sends its own move of version 2: refused, the first one's kept
         own = hosts[1].ref_moves.pending[1][2]
+        theirs = {n: {k: (-t if k in ("a", "d") else t) for k, t in parts.items()} for n, parts in own.items()}
         with pytest.raises(WireError, match="one peer per stage"):
-            req = reference_move_request(run="run", stage=1, version=2, move=own)
+            req = reference_move_request(run="run", stage=1, version=2, move=theirs)
             await hosts[0].reference_move(req, "another-peer")
-        assert hosts[0].ref_moves.pending[1][2] is not None
+        kept = hosts[0].ref_moves.pending[1][2]  # the first peer's move
+        assert all(torch.equal(kept[n][k], t) for n, parts in own.items() for k, t in parts.items())
         # the state of stage 0 (one move applied of each stage, one held of each) loads into a fresh peer
         blob = await hosts[0].state_blob()
         fresh = _hosts(cfg, cache_dir)[0]
@@ -179,5 +184,31 @@ def test_a_peer_waits_for_a_move_applies_it_at_its_step_and_refuses_what_does_no
         monkeypatch.setattr(refmoves, "MOVE_WAIT_S", 0.5)
         with pytest.raises(StageError, match=r"reference move 4 of stage\(s\) \[0, 1\] did not arrive"):
             await fresh.ref_moves.at_step(4)
+
+    asyncio.run(go())
+
+
+def test_with_forward_coding_each_boundary_compares_the_stages_both_ends_compute(tiny_cfg, cache_dir):
+    """``mask.reference = forward``: stage 0's peer computes stage 0's reference only, stage 1's both stages; stage
+    1's moves go to no one, and the boundary's digest names stage 0's moves alone, so the two ends agree after
+    every move (the whole-reference digests differ)."""
+    cfg = tiny_cfg("model.stages=2", "mask.codec=rotq", "mask.bits=2", "mask.reference=forward",
+                   "train.microbatches=1", "mask.reference_refresh=1", "mask.reference_refresh_rank=1")
+    hosts = _hosts(cfg, cache_dir)
+    ids = torch.randint(0, 200, (cfg.train.batch_size, cfg.data.seq_len))
+
+    async def go():
+        for step in range(3):
+            _, loss = await hosts[0].process(driver="d", step=step, mb=0, attempt=1, inputs=ids, labels=ids)
+            assert math.isfinite(loss)
+            for h in hosts:
+                async with h._cond:
+                    stepped = lambda h=h, n=step: h.opt_step > n and not h._stepping  # noqa: E731
+                    await asyncio.wait_for(h._cond.wait_for(stepped), 60)
+                await asyncio.wait_for(asyncio.gather(*h.ref_moves._tasks), 60)
+        assert hosts[0].worker.reference.versions == [2, 0] and hosts[1].worker.reference.versions == [2, 2]
+        assert hosts[0].ref_moves.followers == [1] and hosts[1].ref_moves.followers == []
+        assert hosts[0].ref_moves.boundary_digest(0) == hosts[1].ref_moves.boundary_digest(0)
+        assert hosts[0].reference_digest != hosts[1].reference_digest
 
     asyncio.run(go())

@@ -267,6 +267,11 @@ class SwarmNode:
                     logger.info("reference move to %s failed (attempt %d): %r", peer_id[-8:], attempt + 1, exc)
             return False
 
+        twins = self.swarm.candidates(self.stage, include_avoided=True)
+        if twins:  # each would move its own chain's reference: followers keep the first move of each version
+            logger.error("stage %d has %d other peer(s) (%s): a moving reference (mask.reference_refresh) follows one "
+                         "peer per stage; their moves conflict and the forward requests of one of the chains will be "
+                         "refused", self.stage, len(twins), ", ".join(p.peer_id[-8:] for p in twins))
         peers = [p.peer_id for s in stages for p in self.swarm.candidates(s, include_avoided=True)]
         return sum(await asyncio.gather(*(send(p) for p in peers)))
 

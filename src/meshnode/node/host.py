@@ -86,6 +86,7 @@ class StageHost:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.stage}")
         self.opt_step = 0  # optimizer steps taken by this replica
         self.driver_step = 0  # newest driver step seen
+        self.last_step_served = -1  # the driver step of the newest microbatch completed here
         self.tokens = 0  # tokens this replica trained on (forward + backward completed)
         self.last_loss: float | None = None
         self.loss_history: deque[float] = deque(maxlen=20)
@@ -378,7 +379,7 @@ class StageHost:
         try:
             if self.ref_moves is not None:  # the reference at this step's version before anything uses it
                 await self.ref_moves.at_step(step)
-            if reference is not _UNCHECKED and reference != self.reference_digest:
+            if reference is not _UNCHECKED and reference != self._boundary_digest(self.stage - 1):
                 raise WireError(self._reference_mismatch(reference))
             try:
                 # inside the try: a call cancelled while the forward runs on the thread still leaves its graph in
@@ -405,7 +406,7 @@ class StageHost:
                             run=self.run_id, driver=driver, step=step, mb=mb, attempt=attempt_next,
                             boundary=self.stage, mask_version=self.cfg.mask.version, payload=out, labels=labels,
                             vocab=vocab, held_codes=list(held.maps) if held is not None else None,
-                            reference=self.reference_digest,
+                            reference=self._boundary_digest(self.stage),
                         )
 
                     t_call = time.time()
@@ -428,6 +429,7 @@ class StageHost:
                 await self.run(self.worker.discard, mbid)
                 raise
             completed = True
+            self.last_step_served = max(self.last_step_served, step)
             self._completed[(driver, step, mb)] = (grad_in, loss)
             while len(self._completed) > self._completed_max:
                 self._completed.popitem(last=False)
@@ -449,8 +451,15 @@ class StageHost:
         ref = self.worker.reference
         return ref.digest if ref is not None else None
 
+    def _boundary_digest(self, boundary: int) -> str | None:
+        """What a forward request on ``boundary`` names: the reference digest, or with a moving reference the digest
+        of the stages both ends of the boundary compute (:meth:`.refmoves.SwarmReference.boundary_digest`)."""
+        if self.ref_moves is not None:
+            return self.ref_moves.boundary_digest(boundary)
+        return self.reference_digest
+
     def _reference_mismatch(self, theirs: str | None) -> str:
-        mine = self.reference_digest
+        mine = self._boundary_digest(self.stage - 1)
         if mine is None:
             return (f"the caller codes against a reference model ({theirs}) and this peer against none: the peers' "
                     "mask.reference differs")
@@ -736,14 +745,17 @@ class StageHost:
         self.driver_step = int(state["driver_step"])
         if self.dp is not None and state.get("dp") is not None:
             self.dp.load_state_dict(state["dp"])
+        fits = False
         if state.get("fits"):
             try:  # under a new sender id: receivers that hold the old one's maps are sent these afresh
                 self.worker.load_fit_state(state["fits"], fresh_sender=True)
+                fits = True
             except (ValueError, KeyError, TypeError) as exc:
                 logger.warning("stage %d: the state's reference maps and codes do not fit this run (%s); they are "
                                "fitted again", self.stage, exc)
         if self.ref_moves is not None and state.get("reference_moves") is not None:
-            self.ref_moves.load_state_dict(state["reference_moves"])  # last: what fails before it changed nothing
+            # last: what fails before it changed nothing; the fits restored were made after these moves
+            self.ref_moves.load_state_dict(state["reference_moves"], fits_restored=fits)
         return self._load_partial(state.get("partial")) if partial else 0
 
     def _load_partial(self, partial: Any) -> int:

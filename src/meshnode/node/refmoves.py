@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -48,6 +49,12 @@ MAX_EARLY_VERSIONS = 2  # moves a peer holds ahead of the version it codes again
 Push = Callable[[list[int], dict[str, Any]], Awaitable[int]]
 
 
+def _needed(stage: int, num_stages: int, mode: str) -> list[int]:
+    """The stages whose reference a peer of ``stage`` computes (its own included)."""
+    prefix, suffixes = peer_plan(stage, num_stages, mode)
+    return sorted({stage, *prefix, *suffixes})
+
+
 class SwarmReference:
     """One peer's side of the moving reference: makes and sends its stage's moves, takes the others' and applies
     every move when a microbatch of the step it belongs to arrives (see the module docstring)."""
@@ -63,8 +70,7 @@ class SwarmReference:
         if self.reference is None or not self.period or not self.rank:
             raise ValueError("a moving reference needs mask.reference, mask.reference_refresh and "
                              "mask.reference_refresh_rank")
-        prefix, suffixes = peer_plan(self.stage, self.num_stages, cfg.mask.reference)
-        self.needed = sorted({self.stage, *prefix, *suffixes})  # the stages this peer's reference computes
+        self.needed = _needed(self.stage, self.num_stages, cfg.mask.reference)  # the stages its reference computes
         self.followers = follower_stages(self.stage, self.num_stages, cfg.mask.reference)
         self.push = push
         self.pending: dict[int, dict[int, Move]] = {s: {} for s in self.needed}  # stage -> version -> move
@@ -73,22 +79,35 @@ class SwarmReference:
         self.history: list[tuple[int, int, Move]] = []  # every move applied, in order: a restart replays them
         self._arrived = asyncio.Condition()
         self._apply_lock = asyncio.Lock()
+        # pending and history change together under this lock, on the loop or the host's thread: a state taken on
+        # the thread (state_dict) sees every move in one of them exactly once
+        self._book = threading.Lock()
         self._tasks: set[asyncio.Task] = set()
+        # boundary -> the stages both of its ends compute (the digest a forward request names covers those only)
+        self.shared = {b: sorted(set(_needed(b, self.num_stages, cfg.mask.reference))
+                                 & set(_needed(b + 1, self.num_stages, cfg.mask.reference)))
+                       for b in range(self.num_stages - 1)}
 
     def version_of(self, step: int) -> int:
         return step // self.period
+
+    def boundary_digest(self, boundary: int) -> str:
+        """The digest the two ends of ``boundary`` compare: the weights the moves started from and the moves of the
+        stages both compute (:meth:`~meshnode.stage.ReferenceModel.digest_for`)."""
+        return self.reference.digest_for(self.shared[boundary])
 
     # ---- this stage's moves ----------------------------------------------------------------
 
     async def after_step(self, opt_step: int) -> None:
         """The host's after-step hook: after every K-th step, this stage's move, held for the next step and sent
         to its followers (in the background: the gate opens meanwhile, and a follower waits for it)."""
-        if opt_step % self.period:
+        nxt = self.host.last_step_served + 1  # the driver step of the next microbatch (= opt_step in one chain)
+        if nxt % self.period or nxt <= 0:
             return
-        version = self.version_of(opt_step)
+        version = self.version_of(nxt)
         if version != self.reference.versions[self.stage] + 1:
             logger.warning("stage %d: step %d would make reference move %d, but the reference holds version %d of "
-                           "this stage; no move", self.stage, opt_step, version, self.reference.versions[self.stage])
+                           "this stage; no move", self.stage, nxt, version, self.reference.versions[self.stage])
             return
         move = await self.host.run(self._make)
         async with self._arrived:
@@ -103,7 +122,8 @@ class SwarmReference:
     def _make(self) -> Move:
         held = dict(self.reference.stages[self.stage].named_parameters())
         live = {n: p.detach() for n, p in self.host.worker.module.named_parameters()}
-        return make_move(held, live, self.rank, self.bits)
+        move = make_move(held, live, self.rank, self.bits)
+        return {n: {k: t.cpu() for k, t in parts.items()} for n, parts in move.items()}  # as sent and kept
 
     async def _send(self, version: int, request: dict[str, Any], nbytes: int) -> None:
         try:
@@ -147,49 +167,66 @@ class SwarmReference:
 
     # ---- applying them ---------------------------------------------------------------------
 
-    def _ready(self, target: int) -> bool:
-        return all(all(v in self.pending[s] for v in range(self.reference.versions[s] + 1, target + 1))
-                   for s in self.needed)
+    def _missing(self, target: int) -> list[int]:
+        return [s for s in self.needed
+                if not all(v in self.pending[s] for v in range(self.reference.versions[s] + 1, target + 1))]
 
     async def at_step(self, step: int) -> None:
         """Bring this peer's reference to the version of driver step ``step`` before a microbatch of it is
-        computed: StageError if it is already past it, or a move has not arrived within :data:`MOVE_WAIT_S`."""
+        computed: StageError if it is already past it, or a move has not arrived within :data:`MOVE_WAIT_S`
+        (each microbatch waits on its own, not behind another's wait)."""
         target = self.version_of(step)
-        async with self._apply_lock:
-            behind = [s for s in self.needed if self.reference.versions[s] < target]
-            ahead = [s for s in self.needed if self.reference.versions[s] > target]
-            if ahead:
-                raise StageError(f"stage {self.stage}: a microbatch of step {step} is coded against reference "
-                                 f"version {target}, and this peer's reference of stage {ahead[0]} has moved to "
-                                 f"{self.reference.versions[ahead[0]]}; refused")
-            if not behind:
-                return
-            async with self._arrived:
-                try:
-                    await asyncio.wait_for(self._arrived.wait_for(lambda: self._ready(target)), MOVE_WAIT_S)
-                except asyncio.TimeoutError:
-                    missing = [s for s in self.needed if not all(
-                        v in self.pending[s] for v in range(self.reference.versions[s] + 1, target + 1))]
-                    raise StageError(f"stage {self.stage}: reference move {target} of stage(s) {missing} did not "
-                                     f"arrive within {MOVE_WAIT_S:.0f} s (its peer left, or this peer joined after "
-                                     "it was sent)") from None
-                moves = [(s, v, self.pending[s][v]) for s in self.needed
-                         for v in range(self.reference.versions[s] + 1, target + 1)]
-                for s in self.needed:  # replaced, not changed in place (state_dict may be reading them)
-                    self.pending[s] = {v: m for v, m in self.pending[s].items() if v > target}
-            await self.host.run(self._apply, moves)
-            logger.info("stage %d: reference at version %d for step %d (%d moves applied)", self.stage, target, step,
-                        len(moves))
+        ahead = [s for s in self.needed if self.reference.versions[s] > target]
+        if ahead:
+            raise StageError(f"stage {self.stage}: a microbatch of step {step} is coded against reference version "
+                             f"{target}, and this peer's reference of stage {ahead[0]} has moved to "
+                             f"{self.reference.versions[ahead[0]]}; refused")
+        if all(self.reference.versions[s] >= target for s in self.needed):
+            return
+        async with self._arrived:
+            try:
+                await asyncio.wait_for(self._arrived.wait_for(lambda: not self._missing(target)), MOVE_WAIT_S)
+            except asyncio.TimeoutError:
+                raise StageError(f"stage {self.stage}: reference move {target} of stage(s) {self._missing(target)} "
+                                 f"did not arrive within {MOVE_WAIT_S:.0f} s (its peer left, or this peer joined "
+                                 "after it was sent)") from None
+        async with self._apply_lock:  # one microbatch applies; the others find the reference there
+            moves = [(s, v, self.pending[s][v]) for s in self.needed
+                     for v in range(self.reference.versions[s] + 1, target + 1) if v in self.pending[s]]
+            if moves:
+                # shielded: the thread applies them whatever happens to this call, and the bookkeeping is its own
+                await asyncio.shield(self.host.run(self._apply, moves))
+                logger.info("stage %d: reference at version %d for step %d (%d moves applied)", self.stage, target,
+                            step, len(moves))
+        async with self._arrived:
+            self.senders = {k: p for k, p in self.senders.items() if k[1] >= self.reference.versions[k[0]]}
+        if any(self.reference.versions[s] < target for s in self.needed):
+            raise StageError(f"stage {self.stage}: the reference did not reach version {target} (a move failed to "
+                             "apply; see the log)")
 
     def _hold(self, stage: int, version: int, move: Move) -> None:
-        self.pending[stage] = {**self.pending[stage], version: move}
+        with self._book:
+            self.pending[stage] = {**self.pending[stage], version: move}
 
     def _apply(self, moves: list[tuple[int, int, Move]], restored: bool = False) -> None:
+        """Apply ``moves`` in order (each only if it is the next version of its stage), moving each from pending to
+        history as it goes; on the host's thread."""
+        applied = 0
         for s, v, move in moves:
-            self.reference.apply_move(s, move)
-            self.history.append((s, v, move))
-        self.senders = {k: p for k, p in self.senders.items() if k[1] >= self.reference.versions[k[0]]}
-        if not restored:  # a restored state's fits are those made after these moves
+            if v != self.reference.versions[s] + 1:
+                continue
+            try:
+                self.reference.apply_move(s, move)
+            except ValueError as exc:  # checked on arrival; a non-finite result is dropped, and the step waits
+                logger.error("stage %d: reference move %d of stage %d not applied: %s", self.stage, v, s, exc)
+                with self._book:
+                    self.pending[s] = {k: m for k, m in self.pending[s].items() if k != v}
+                break
+            with self._book:
+                self.history.append((s, v, move))
+                self.pending[s] = {k: m for k, m in self.pending[s].items() if k != v}
+            applied += 1
+        if applied and not restored:  # a restored state's fits are those made after these moves
             self.host.worker.reference_moved()
 
     # ---- state -----------------------------------------------------------------------------
@@ -197,11 +234,11 @@ class SwarmReference:
     def state_dict(self) -> dict[str, Any]:
         """Every move applied and every one held for a later step (what a restart needs to code against the same
         reference as the peers that went on: the moves are not sent again). Taken on the host's thread."""
-        pending = dict(self.pending)
-        return {"applied": [[s, v, m] for s, v, m in list(self.history)],
-                "pending": [[s, v, m] for s in sorted(pending) for v, m in sorted(pending[s].items())]}
+        with self._book:
+            return {"applied": [[s, v, m] for s, v, m in self.history],
+                    "pending": [[s, v, m] for s in sorted(self.pending) for v, m in sorted(self.pending[s].items())]}
 
-    def load_state_dict(self, state: Any) -> None:
+    def load_state_dict(self, state: Any, fits_restored: bool = True) -> None:
         """Replay a :meth:`state_dict` onto a reference that has taken a prefix of its moves (a new peer's: none);
         ValueError, with nothing changed, if a move does not fit (checked first) or the reference moved otherwise.
         On the host's thread, before the peer serves."""
@@ -228,8 +265,9 @@ class SwarmReference:
             if s not in self.needed or v <= versions[s]:
                 raise ValueError(f"held reference move {v} of stage {s} is not after version {versions[s]}")
             check_move(move, dict(self.reference.stages[s].named_parameters()), self.rank, self.bits)
-        self._apply(list(applied[len(done):]), restored=True)
-        self.pending = {s: {} for s in self.needed}
+        with self._book:
+            self.pending = {s: {} for s in self.needed}
+        self._apply(list(applied[len(done):]), restored=fits_restored)
         for s, v, move in pending:
             self._hold(s, v, move)
 

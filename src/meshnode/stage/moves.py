@@ -22,6 +22,9 @@ from torch import Tensor
 from ..compression.quant import dequantize_absmax, quantize_absmax
 
 MOVE_BITS = (16, 8)
+# the largest change a move may make to one weight: far beyond any training step, and small enough that a finite
+# move of finite weights stays finite (checked on arrival, before anything is applied)
+MAX_MOVE_CHANGE = 1e4
 Move = dict[str, dict[str, Tensor]]
 
 
@@ -116,7 +119,15 @@ def check_move(move: object, held: dict[str, Tensor], rank: int, bits: int) -> M
                 raise ValueError(f"reference move of {n!r}: {part} is {got}, expected {pshape} {dtype}")
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise ValueError(f"reference move of {n!r}: {part} holds non-finite values")
+        if "d" in parts:
+            largest = float(parts["d"].float().abs().max()) if parts["d"].numel() else 0.0
+        else:  # no entry of a^T b exceeds rank x max|a| x max|b|
+            a, b = _factors(parts)
+            largest = rank * float(a.abs().max()) * float(b.abs().max())
+        if largest > MAX_MOVE_CHANGE:
+            raise ValueError(f"reference move of {n!r} changes a weight by up to {largest:.3g}, more than "
+                             f"{MAX_MOVE_CHANGE:g}")
     return move  # type: ignore[return-value]
 
 
-__all__ = ["MOVE_BITS", "Move", "apply_move", "check_move", "make_move", "move_nbytes", "move_size"]
+__all__ = ["MAX_MOVE_CHANGE", "MOVE_BITS", "Move", "apply_move", "check_move", "make_move", "move_nbytes", "move_size"]

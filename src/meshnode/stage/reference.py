@@ -116,10 +116,10 @@ class ReferenceModel:
         self.stage_backwards = 0
         self._weights_hash: str | None = None
         self._digests: dict[str, str] = {}  # precision -> digest (every forward request carries one)
-        # reference moves (mask.reference_refresh_rank): how many each stage took, and each move applied since the
-        # weights were hashed last (the digest chains them instead of hashing every weight again)
+        # reference moves (mask.reference_refresh_rank): how many each stage took, and per stage a hash chaining the
+        # moves applied since the weights were hashed last (the digest names them instead of hashing every weight)
         self.versions = [0] * len(self.stages)
-        self._moves_hash = ""
+        self._moves_hash = [""] * len(self.stages)
 
     @property
     def num_stages(self) -> int:
@@ -144,16 +144,17 @@ class ReferenceModel:
         self._acts.clear()
         self._grads.clear()
         self._weights_hash = None
-        self._moves_hash = ""
+        self._moves_hash = [""] * self.num_stages
         self._digests.clear()
 
     @torch.no_grad()
     def apply_move(self, stage: int, move: Move) -> None:
         """Move ``stage``'s weights by a reference move (:mod:`.moves`, checked by its receiver) and count it in
-        :attr:`versions`. The digest then names the weights before the first move and every move since, in order,
-        by their bytes: two holders agree on it when they started from the same weights and applied the same moves
-        (what makes their weights the same is that they run the same kernels; ``mask.reference_check`` measures
-        it). A move of names or shapes that do not fit is a ValueError, and nothing changes."""
+        :attr:`versions`. The digest then names the weights before the first move and, per stage, every move since
+        in order, by their bytes: two holders agree on it when they started from the same weights and applied the
+        same moves of each stage, in whatever order across stages (what makes their weights the same is that they
+        run the same kernels; ``mask.reference_check`` measures it). A move of names or shapes that do not fit, or
+        that would give non-finite weights, is a ValueError, and nothing changes."""
         if not 0 <= stage < self.num_stages:
             raise ValueError(f"stage {stage} is not one of the reference's {self.num_stages}")
         held = dict(self.stages[stage].named_parameters())
@@ -164,7 +165,7 @@ class ReferenceModel:
             raise ValueError(f"reference move of stage {stage} gives non-finite weights; not applied")
         if self._weights_hash is None:
             self._weights_hash = self._hash_weights()  # the weights the moves start from
-        h = hashlib.sha256(f"{self._moves_hash}/{stage}/{self.versions[stage] + 1};".encode())
+        h = hashlib.sha256(f"{self._moves_hash[stage]}/{stage}/{self.versions[stage] + 1};".encode())
         for n in sorted(move):
             for part in sorted(move[n]):
                 t = move[n][part].detach().cpu().contiguous()
@@ -173,10 +174,18 @@ class ReferenceModel:
         for n, p in held.items():
             p.copy_(moved[n])
         self.versions[stage] += 1
-        self._moves_hash = h.hexdigest()
+        self._moves_hash[stage] = h.hexdigest()
         self._acts.clear()
         self._grads.clear()
         self._digests.clear()
+
+    def digest_for(self, stages: Sequence[int]) -> str:
+        """The digest of the weights before any move and of ``stages``' moves only: what the two ends of a boundary
+        compare when their peers follow different sets of stages (``mask.reference = forward``)."""
+        if self._weights_hash is None:
+            self._weights_hash = self._hash_weights()
+        chains = "/".join(f"{s}:{self._moves_hash[s]}" for s in sorted(stages))
+        return hashlib.sha256(f"{self._weights_hash}/{chains}/{self.precision}".encode()).hexdigest()[:16]
 
     def _hash_weights(self) -> str:
         h = hashlib.sha256()
@@ -197,7 +206,7 @@ class ReferenceModel:
         if precision not in self._digests:
             if self._weights_hash is None:
                 self._weights_hash = self._hash_weights()
-            moves = f"/{self._moves_hash}" if self._moves_hash else ""
+            moves = "".join(f"/{s}:{h}" for s, h in enumerate(self._moves_hash) if h)
             self._digests[precision] = hashlib.sha256(
                 f"{self._weights_hash}{moves}/{precision}".encode()).hexdigest()[:16]
         return self._digests[precision]
