@@ -100,8 +100,9 @@ def test_the_digest_chains_the_moves_and_two_holders_agree(tiny_cfg, cache_dir):
     assert follower_stages(2, 3, "forward") == []  # the last stage's weights: no one codes a forward against them
 
 
-def _hosts(cfg, cache_dir):
-    """A peer per stage of a 2-stage run, each holding its own reference and moving it (pushes go in-process)."""
+def _hosts(cfg, cache_dir, lost: frozenset[int] = frozenset()):
+    """A peer per stage of a 2-stage run, each holding its own reference and moving it (pushes go in-process;
+    those of the stages in ``lost`` never arrive, and a peer fetches a move it misses from the stage's peer)."""
     from meshnode.node.host import StageHost
     from meshnode.node.refmoves import SwarmReference
     from meshnode.protocol.limits import Limits
@@ -116,16 +117,22 @@ def _hosts(cfg, cache_dir):
     async def push_from(sender: int, stages: list[int], request: dict) -> int:
         got = 0
         for s in stages:
+            if sender in lost:
+                continue
             await hosts[s].reference_move(unpack(pack(request), limits.max_message_bytes), f"peer{sender}")
             got += 1
         return got
+
+    async def fetch(stage: int, version: int):
+        reply = await hosts[stage].reference_move({"run": "run", "fetch": [stage, version]}, "asker")
+        return f"peer{stage}", unpack(pack(reply), limits.max_message_bytes)
 
     for s in range(2):
         cut = cut_model(load_model(cfg.model, cache_dir)[0], 2)
         w = StageWorker(cut[s], cfg)
         w.reference = ReferenceModel([cut_model(load_model(cfg.model, cache_dir)[0], 2)[i] for i in range(2)])
         h = StageHost(w, cfg, limits, "run", call_next=call_next if s == 0 else None)
-        h.ref_moves = SwarmReference(h, push=lambda st, req, s=s: push_from(s, st, req))
+        h.ref_moves = SwarmReference(h, push=lambda st, req, s=s: push_from(s, st, req), fetch=fetch)
         h.after_step_hooks.append(h.ref_moves.after_step)
         hosts.append(h)
     del model
@@ -210,5 +217,34 @@ def test_with_forward_coding_each_boundary_compares_the_stages_both_ends_compute
         assert hosts[0].ref_moves.followers == [1] and hosts[1].ref_moves.followers == []
         assert hosts[0].ref_moves.boundary_digest(0) == hosts[1].ref_moves.boundary_digest(0)
         assert hosts[0].reference_digest != hosts[1].reference_digest
+
+    asyncio.run(go())
+
+
+def test_a_peer_that_missed_a_push_fetches_the_move(tiny_cfg, cache_dir, monkeypatch):
+    """Stage 0's pushes never reach stage 1: the microbatch of the next step waits FETCH_AFTER_S, then stage 1's
+    peer asks stage 0's for the move and goes on with the same reference (the callee serves it; a move not held
+    anywhere is refused by name)."""
+    from meshnode.node import refmoves
+
+    monkeypatch.setattr(refmoves, "FETCH_AFTER_S", 0.2)
+    cfg = tiny_cfg("model.stages=2", "mask.codec=rotq", "mask.bits=2", "mask.reference=both", "train.microbatches=1",
+                   "mask.reference_refresh=1", "mask.reference_refresh_rank=1", "mask.reference_refresh_bits=8")
+    hosts = _hosts(cfg, cache_dir, lost=frozenset({0}))
+    ids = torch.randint(0, 200, (cfg.train.batch_size, cfg.data.seq_len))
+
+    async def go():
+        await hosts[0].process(driver="d", step=0, mb=0, attempt=1, inputs=ids, labels=ids)
+        for h in hosts:
+            async with h._cond:
+                await asyncio.wait_for(h._cond.wait_for(lambda h=h: h.opt_step >= 1 and not h._stepping), 60)
+        assert 1 not in hosts[1].ref_moves.pending[0]  # lost
+        _, loss = await hosts[0].process(driver="d", step=1, mb=0, attempt=1, inputs=ids, labels=ids)
+        assert math.isfinite(loss) and hosts[1].ref_moves.fetched == 1
+        assert hosts[1].worker.reference.versions == hosts[0].worker.reference.versions == [1, 1]
+        with pytest.raises(WireError, match="not held"):
+            await hosts[0].reference_move({"run": "run", "fetch": [0, 5]}, "asker")
+        with pytest.raises(WireError, match="fetch"):
+            await hosts[0].reference_move({"run": "run", "fetch": [0]}, "asker")
 
     asyncio.run(go())

@@ -52,6 +52,7 @@ from ..protocol.messages import pack
 from ..protocol.records import PeerRecord
 from ..protocol.servicer import RPCServicer, StageServicer, collect_stream
 from ..stage.moves import move_size
+from ..stage.reference import follower_stages
 from .claim import choose_shard, choose_stage, in_transit, should_rebalance, stage_loads, stage_rates
 from .host import StageHost, pieces_bytes, state_bytes_bound, state_chunk_bytes, weights_from_chunks
 from .status import driver_step, swarm_health
@@ -239,9 +240,32 @@ class SwarmNode:
         if reference is not None and self.cfg.mask.reference_refresh:
             from .refmoves import SwarmReference
 
-            host.ref_moves = SwarmReference(host, push=self._push_move)
+            host.ref_moves = SwarmReference(host, push=self._push_move, fetch=self._fetch_move)
             host.after_step_hooks.append(host.ref_moves.after_step)
         return host
+
+    async def _fetch_move(self, stage: int, version: int) -> tuple[str, dict[str, Any]] | None:
+        """A reference move this peer was not pushed (:mod:`.refmoves`), from a peer of ``stage`` or else from any
+        peer that follows it: (the peer that answered, the move as pushed), or None if none holds it."""
+        from hivemind.p2p import PeerID
+
+        from ..protocol.servicer import call_rpc
+
+        limits = self.host.limits
+        order = [stage, *follower_stages(stage, self.num_stages, self.cfg.mask.reference)]
+        for s in order:
+            for p in self.swarm.candidates(s, include_avoided=True):
+                try:
+                    reply = await call_rpc(self.swarm.p2p, PeerID.from_base58(p.peer_id),
+                                           f"{self.run_id}.rpc_reference_move",
+                                           {"run": self.run_id, "fetch": [stage, version]},
+                                           max_bytes=limits.max_message_bytes, timeout=limits.rpc_timeout,
+                                           connect_timeout=limits.connect_timeout)
+                    return p.peer_id, reply
+                except Exception as exc:  # noqa: BLE001 (not held there, or unreachable: the next peer)
+                    logger.debug("reference move %d of stage %d not fetched from %s: %r", version, stage,
+                                 p.peer_id[-8:], exc)
+        return None
 
     async def _push_move(self, stages: list[int], request: dict[str, Any]) -> int:
         """Send a reference move to every online peer of ``stages`` (:mod:`.refmoves`), each tried up to

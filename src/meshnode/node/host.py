@@ -542,6 +542,12 @@ class StageHost:
         """``rpc_reference_move``: another stage's reference move (:mod:`.refmoves`)."""
         if self.ref_moves is None:
             raise WireError("this peer's reference does not move (mask.reference_refresh differs)")
+        if "fetch" in request:  # [stage, version]: a peer that missed a push asks for the move
+            want = request["fetch"]
+            if (request.get("run") != self.run_id or not isinstance(want, list) or len(want) != 2
+                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in want)):
+                raise WireError("reference move fetch: expected run and fetch = [stage, version]")
+            return {"ok": True, **self.ref_moves.held_move(*want)}
         return await self.ref_moves.receive(request, sender)
 
     def info(self) -> dict[str, Any]:

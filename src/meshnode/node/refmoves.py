@@ -12,7 +12,9 @@ reference. A peer brings its reference there when the first microbatch of such a
 no microbatch of the step in before, and every microbatch of the step before has completed: no result of the old
 reference is still in use), waiting for a move that has not arrived yet up to :data:`MOVE_WAIT_S`; then every
 worker drops its residual maps (:meth:`~meshnode.stage.StageWorker.reference_moved`), as the mesh does. A move that
-arrives early is held until then. The forward request names the sender's reference by its digest, which chains
+arrives early is held until then; one not pushed within :data:`FETCH_AFTER_S` (a lost push) is asked for from
+the peers of its stage, then from any peer that follows it (``rpc_reference_move`` with ``fetch``). The forward
+request names the sender's reference by its digest, which chains
 the moves applied (:meth:`~meshnode.stage.ReferenceModel.apply_move`); the receiver compares it once its own
 reference is at the microbatch's version, so both ends of a boundary code against the same weights or the
 microbatch is refused.
@@ -43,10 +45,13 @@ from ..stage.reference import follower_stages, peer_plan
 logger = logging.getLogger(__name__)
 
 MOVE_WAIT_S = 120.0  # how long a microbatch waits for a reference move that has not arrived
+FETCH_AFTER_S = 5.0  # a move not pushed within this long is asked for (a lost push), then again as often
 MAX_EARLY_VERSIONS = 2  # moves a peer holds ahead of the version it codes against, per stage
 
-# push(stage, request) -> the number of followers that took it
+# push(stages, request) -> the number of followers that took it
 Push = Callable[[list[int], dict[str, Any]], Awaitable[int]]
+# fetch(stage, version) -> (the peer that answered, its reference_move_request), or None if no peer holds it
+Fetch = Callable[[int, int], Awaitable[tuple[str, dict[str, Any]] | None]]
 
 
 def _needed(stage: int, num_stages: int, mode: str) -> list[int]:
@@ -59,7 +64,7 @@ class SwarmReference:
     """One peer's side of the moving reference: makes and sends its stage's moves, takes the others' and applies
     every move when a microbatch of the step it belongs to arrives (see the module docstring)."""
 
-    def __init__(self, host, push: Push | None):
+    def __init__(self, host, push: Push | None, fetch: Fetch | None = None):
         cfg = host.cfg
         self.host = host
         self.period = cfg.mask.reference_refresh
@@ -73,6 +78,8 @@ class SwarmReference:
         self.needed = _needed(self.stage, self.num_stages, cfg.mask.reference)  # the stages its reference computes
         self.followers = follower_stages(self.stage, self.num_stages, cfg.mask.reference)
         self.push = push
+        self.fetch = fetch
+        self.fetched = 0  # moves this peer asked for after their push did not come
         self.pending: dict[int, dict[int, Move]] = {s: {} for s in self.needed}  # stage -> version -> move
         self.senders: dict[tuple[int, int], str] = {}  # (stage, version) -> the peer it came from
         self.moves_sent = 0
@@ -183,13 +190,21 @@ class SwarmReference:
                              f"{self.reference.versions[ahead[0]]}; refused")
         if all(self.reference.versions[s] >= target for s in self.needed):
             return
-        async with self._arrived:
-            try:
-                await asyncio.wait_for(self._arrived.wait_for(lambda: not self._missing(target)), MOVE_WAIT_S)
-            except asyncio.TimeoutError:
-                raise StageError(f"stage {self.stage}: reference move {target} of stage(s) {self._missing(target)} "
-                                 f"did not arrive within {MOVE_WAIT_S:.0f} s (its peer left, or this peer joined "
-                                 "after it was sent)") from None
+        deadline = asyncio.get_running_loop().time() + MOVE_WAIT_S
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            async with self._arrived:
+                try:
+                    await asyncio.wait_for(self._arrived.wait_for(lambda: not self._missing(target)),
+                                           max(0.0, min(left, FETCH_AFTER_S if self.fetch else left)))
+                    break
+                except asyncio.TimeoutError:
+                    missing = self._missing(target)
+            if left <= FETCH_AFTER_S or self.fetch is None:
+                raise StageError(f"stage {self.stage}: reference move {target} of stage(s) {missing} did not arrive "
+                                 f"within {MOVE_WAIT_S:.0f} s (its peer left, or this peer joined after it was "
+                                 "sent)")
+            await self._fetch_missing(target)
         async with self._apply_lock:  # one microbatch applies; the others find the reference there
             moves = [(s, v, self.pending[s][v]) for s in self.needed
                      for v in range(self.reference.versions[s] + 1, target + 1) if v in self.pending[s]]
@@ -203,6 +218,37 @@ class SwarmReference:
         if any(self.reference.versions[s] < target for s in self.needed):
             raise StageError(f"stage {self.stage}: the reference did not reach version {target} (a move failed to "
                              "apply; see the log)")
+
+    async def _fetch_missing(self, target: int) -> None:
+        """Ask the swarm for each move up to ``target`` not held (a push that was lost, or never reached this peer)
+        and take it as if pushed."""
+        for s in self._missing(target):
+            for v in range(self.reference.versions[s] + 1, target + 1):
+                if v in self.pending[s]:
+                    continue
+                try:
+                    got = await self.fetch(s, v)
+                    if got is None:
+                        break
+                    await self.receive(got[1], got[0])
+                    self.fetched += 1
+                    logger.warning("stage %d: reference move %d of stage %d was not pushed here; fetched it from %s",
+                                   self.stage, v, s, got[0][-8:])
+                except Exception as exc:  # noqa: BLE001 (a bad answer: the wait goes on until its deadline)
+                    logger.warning("stage %d: fetching reference move %d of stage %d failed: %r", self.stage, v, s,
+                                   exc)
+                    break
+
+    def held_move(self, stage: int, version: int) -> dict[str, Any]:
+        """``rpc_reference_move`` with ``fetch``: the move (stage, version) as pushed, if this peer holds it (applied
+        or pending); WireError if not."""
+        with self._book:
+            move = self.pending.get(stage, {}).get(version)
+            if move is None:
+                move = next((m for s, v, m in self.history if (s, v) == (stage, version)), None)
+        if move is None:
+            raise WireError(f"reference move {version} of stage {stage} is not held by this peer")
+        return reference_move_request(run=self.host.run_id, stage=stage, version=version, move=move)
 
     def _hold(self, stage: int, version: int, move: Move) -> None:
         with self._book:
@@ -277,4 +323,4 @@ class SwarmReference:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-__all__ = ["MOVE_WAIT_S", "SwarmReference"]
+__all__ = ["FETCH_AFTER_S", "MOVE_WAIT_S", "SwarmReference"]
