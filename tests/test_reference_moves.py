@@ -248,3 +248,31 @@ def test_a_peer_that_missed_a_push_fetches_the_move(tiny_cfg, cache_dir, monkeyp
             await hosts[0].reference_move({"run": "run", "fetch": [0]}, "asker")
 
     asyncio.run(go())
+
+
+def test_moves_follow_the_driver_steps_of_a_peer_whose_step_count_is_off(tiny_cfg, cache_dir, monkeypatch):
+    """A peer restarted from an older checkpoint counts its optimizer steps behind the driver's: it still makes its
+    moves when the next microbatch's driver step is a multiple of K, the step every other peer codes against (made
+    by its own step count, stage 1's move of version 1 would come a step late and every microbatch would wait)."""
+    from meshnode.node import refmoves
+
+    monkeypatch.setattr(refmoves, "MOVE_WAIT_S", 10.0)
+    cfg = tiny_cfg("model.stages=2", "mask.codec=rotq", "mask.bits=2", "mask.reference=both", "train.microbatches=1",
+                   "mask.reference_refresh=2", "mask.reference_refresh_rank=1")
+    hosts = _hosts(cfg, cache_dir)
+    hosts[1].opt_step = 3  # as if it had resumed from a checkpoint three steps away from the driver's count
+    ids = torch.randint(0, 200, (cfg.train.batch_size, cfg.data.seq_len))
+
+    async def go():
+        for step in range(3):
+            _, loss = await hosts[0].process(driver="d", step=step, mb=0, attempt=1, inputs=ids, labels=ids)
+            assert math.isfinite(loss)
+            for h in hosts:
+                async with h._cond:
+                    stepped = lambda h=h, n=step: h.last_step_served >= n and not h._stepping  # noqa: E731
+                    await asyncio.wait_for(h._cond.wait_for(stepped), 60)
+                await asyncio.wait_for(asyncio.gather(*h.ref_moves._tasks), 60)
+        assert hosts[0].worker.reference.versions == hosts[1].worker.reference.versions == [1, 1]
+        assert hosts[1].opt_step == 6 and hosts[0].opt_step == 3
+
+    asyncio.run(go())
