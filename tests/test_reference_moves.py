@@ -195,6 +195,19 @@ def test_a_peer_waits_for_a_move_applies_it_at_its_step_and_refuses_what_does_no
     asyncio.run(go())
 
 
+async def _steps(hosts, ids, steps: int) -> None:
+    """Drive ``steps`` one-microbatch steps through ``hosts``, each host's optimizer step (and its reference move,
+    sent) taken before the next."""
+    for step in range(steps):
+        _, loss = await hosts[0].process(driver="d", step=step, mb=0, attempt=1, inputs=ids, labels=ids)
+        assert math.isfinite(loss)
+        for h in hosts:
+            async with h._cond:
+                stepped = lambda h=h, n=step: h.last_step_served >= n and not h._stepping  # noqa: E731
+                await asyncio.wait_for(h._cond.wait_for(stepped), 60)
+            await asyncio.wait_for(asyncio.gather(*h.ref_moves._tasks), 60)
+
+
 def test_with_forward_coding_each_boundary_compares_the_stages_both_ends_compute(tiny_cfg, cache_dir):
     """``mask.reference = forward``: stage 0's peer computes stage 0's reference only, stage 1's both stages; stage
     1's moves go to no one, and the boundary's digest names stage 0's moves alone, so the two ends agree after
@@ -205,14 +218,7 @@ def test_with_forward_coding_each_boundary_compares_the_stages_both_ends_compute
     ids = torch.randint(0, 200, (cfg.train.batch_size, cfg.data.seq_len))
 
     async def go():
-        for step in range(3):
-            _, loss = await hosts[0].process(driver="d", step=step, mb=0, attempt=1, inputs=ids, labels=ids)
-            assert math.isfinite(loss)
-            for h in hosts:
-                async with h._cond:
-                    stepped = lambda h=h, n=step: h.opt_step > n and not h._stepping  # noqa: E731
-                    await asyncio.wait_for(h._cond.wait_for(stepped), 60)
-                await asyncio.wait_for(asyncio.gather(*h.ref_moves._tasks), 60)
+        await _steps(hosts, ids, 3)
         assert hosts[0].worker.reference.versions == [2, 0] and hosts[1].worker.reference.versions == [2, 2]
         assert hosts[0].ref_moves.followers == [1] and hosts[1].ref_moves.followers == []
         assert hosts[0].ref_moves.boundary_digest(0) == hosts[1].ref_moves.boundary_digest(0)
@@ -264,14 +270,7 @@ def test_moves_follow_the_driver_steps_of_a_peer_whose_step_count_is_off(tiny_cf
     ids = torch.randint(0, 200, (cfg.train.batch_size, cfg.data.seq_len))
 
     async def go():
-        for step in range(3):
-            _, loss = await hosts[0].process(driver="d", step=step, mb=0, attempt=1, inputs=ids, labels=ids)
-            assert math.isfinite(loss)
-            for h in hosts:
-                async with h._cond:
-                    stepped = lambda h=h, n=step: h.last_step_served >= n and not h._stepping  # noqa: E731
-                    await asyncio.wait_for(h._cond.wait_for(stepped), 60)
-                await asyncio.wait_for(asyncio.gather(*h.ref_moves._tasks), 60)
+        await _steps(hosts, ids, 3)
         assert hosts[0].worker.reference.versions == hosts[1].worker.reference.versions == [1, 1]
         assert hosts[1].opt_step == 6 and hosts[0].opt_step == 3
 
