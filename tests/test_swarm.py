@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import time
 from pathlib import Path
@@ -706,3 +707,35 @@ def test_a_crashed_peer_resumes_its_stage_from_its_periodic_checkpoint(swarm_fac
     before = sum(r["loss"] for r in recs[killed_at - 5 : killed_at]) / 5
     after = sum(r["loss"] for r in recs[killed_at + 2 : killed_at + 7]) / 5
     assert after < (start + before) / 2, (start, before, after)
+
+
+def test_a_crashed_peer_follows_the_moving_reference_again_after_its_restart(swarm_factory, tmp_path):
+    """``mask.reference_refresh`` in the swarm: the reference moves every 3 steps by rank-1 moves. Stage 1's only peer
+    is SIGKILLed and restarted (a new identity) from its periodic checkpoint, which holds the moves it had applied
+    and held; those made since, it fetches from the driver (the pushes went to a dead peer), or, for one of its own
+    that died with it, makes again; the forward requests' digests agree again and training goes on."""
+    sw = swarm_factory(["train.steps=20000", "train.warmup_steps=5", "mask.codec=rotq", "mask.bits=1",
+                        "mask.reference=both", "mask.reference_refresh=3", "mask.reference_refresh_rank=1",
+                        "mask.reference_refresh_bits=8"])
+    metrics, ck = tmp_path / "crash.jsonl", tmp_path / "ck"
+    sw.start("driver", "--stage", "0", "--metrics-out", str(metrics))
+    victim = sw.start("s1", "--stage", "1", "--checkpoint-dir", str(ck), "--checkpoint-every", "1")
+
+    def saved_step():
+        steps = [int(s) for s in re.findall(r"checkpoint of stage 1 at step (\d+)", victim.log.read_text())]
+        return steps[-1] if steps and steps[-1] >= 12 else None
+
+    wait_for(saved_step, 120, "a periodic checkpoint at step 12 or later")
+    victim.kill()
+    killed_at = len(sw.metrics(metrics))
+    again = sw.start("s1-again", "--stage", "1", "--checkpoint-dir", str(ck))
+    wait_for(lambda: len(sw.metrics(metrics)) >= killed_at + 9, 240, "training to go on through the restarted peer")
+    log = again.log.read_text()
+    resumed = re.search(r"resumed stage 1 from \S+ at step (\d+)", log)
+    assert resumed, tail(again.log)
+    versions = [int(v) for v in re.findall(r"reference at version (\d+)", log)]
+    assert versions and versions[-1] * 3 > int(resumed.group(1)), tail(again.log)  # it moved on past its checkpoint
+    caught_up = re.findall(r"(fetched it from|making it now from this peer's weights)", log)
+    assert caught_up or versions[0] * 3 <= int(resumed.group(1)) + 3, tail(again.log)
+    recs = sorted(sw.metrics(metrics), key=lambda r: r["step"])
+    assert all(math.isfinite(r["loss"]) for r in recs[killed_at:])

@@ -293,9 +293,10 @@ class SwarmNode:
 
         twins = self.swarm.candidates(self.stage, include_avoided=True)
         if twins:  # each would move its own chain's reference: followers keep the first move of each version
-            logger.error("stage %d has %d other peer(s) (%s): a moving reference (mask.reference_refresh) follows one "
-                         "peer per stage; their moves conflict and the forward requests of one of the chains will be "
-                         "refused", self.stage, len(twins), ", ".join(p.peer_id[-8:] for p in twins))
+            logger.warning("stage %d has %d other peer(s) online (%s; or the record of a peer that left, until it "
+                           "expires): a moving reference (mask.reference_refresh) follows one peer per stage; two "
+                           "peers' moves conflict, and the forward requests of one chain will be refused", self.stage,
+                           len(twins), ", ".join(p.peer_id[-8:] for p in twins))
         peers = [p.peer_id for s in stages for p in self.swarm.candidates(s, include_avoided=True)]
         return sum(await asyncio.gather(*(send(p) for p in peers)))
 

@@ -120,6 +120,9 @@ class SwarmReference:
         async with self._arrived:
             self._hold(self.stage, version, move)
             self._arrived.notify_all()
+        self._send_in_background(version, move)
+
+    def _send_in_background(self, version: int, move: Move) -> None:
         if self.push is not None and self.followers:
             request = reference_move_request(run=self.host.run_id, stage=self.stage, version=version, move=move)
             task = asyncio.create_task(self._send(version, request, move_nbytes(move)))
@@ -145,11 +148,12 @@ class SwarmReference:
 
     # ---- the others' moves -----------------------------------------------------------------
 
-    async def receive(self, request: dict[str, Any], sender: str) -> dict[str, Any]:
+    async def receive(self, request: dict[str, Any], sender: str, own: bool = False) -> dict[str, Any]:
         """``rpc_reference_move``: a move of another stage, checked and held until its step (WireError if it is
-        malformed, of a stage or version this peer does not expect, or from a second peer of that stage)."""
+        malformed, of a stage or version this peer does not expect, or from a second peer of that stage). ``own``:
+        a move of this peer's own stage that it fetched (made by the stage's peer before this one restarted)."""
         stage, version, move = parse_reference_move(request, run=self.host.run_id, num_stages=self.num_stages)
-        if stage == self.stage or stage not in self.needed:
+        if (stage == self.stage and not own) or stage not in self.needed:
             raise WireError(f"a reference move of stage {stage}: this peer (stage {self.stage}) does not follow it")
         held = dict(self.reference.stages[stage].named_parameters())
         try:
@@ -228,9 +232,12 @@ class SwarmReference:
                     continue
                 try:
                     got = await self.fetch(s, v)
+                    if got is None and s == self.stage and not self.pending[s] and v == self.reference.versions[s] + 1:
+                        await self._make_late(v)  # its own move, which no peer holds: this peer restarted
+                        continue
                     if got is None:
                         break
-                    await self.receive(got[1], got[0])
+                    await self.receive(got[1], got[0], own=s == self.stage)
                     self.fetched += 1
                     logger.warning("stage %d: reference move %d of stage %d was not pushed here; fetched it from %s",
                                    self.stage, v, s, got[0][-8:])
@@ -238,6 +245,17 @@ class SwarmReference:
                     logger.warning("stage %d: fetching reference move %d of stage %d failed: %r", self.stage, v, s,
                                    exc)
                     break
+
+    async def _make_late(self, version: int) -> None:
+        """This stage's move ``version``, made now from the live weights: its previous peer died before it reached
+        anyone (and this peer restarted from a checkpoint older than it), so every peer takes this one instead."""
+        logger.warning("stage %d: reference move %d of this stage is held by no peer (its maker stopped before "
+                       "sending it); making it now from this peer's weights", self.stage, version)
+        move = await self.host.run(self._make)
+        async with self._arrived:
+            self._hold(self.stage, version, move)
+            self._arrived.notify_all()
+        self._send_in_background(version, move)
 
     def held_move(self, stage: int, version: int) -> dict[str, Any]:
         """``rpc_reference_move`` with ``fetch``: the move (stage, version) as pushed, if this peer holds it (applied
