@@ -677,27 +677,40 @@ def test_a_record_that_names_another_peer_does_not_shadow_it():
         asyncio.run(scenario(rogue_first))
 
 
-def test_a_crashed_peer_resumes_its_stage_from_its_periodic_checkpoint(swarm_factory, tmp_path):
-    """A peer's checkpoint used to be written only at a graceful stop: a crash (SIGKILL, a power cut) took its stage's
-    training with it when it was the stage's only peer. With ``--checkpoint-every``, stage 1's only peer saves
-    while it trains; SIGKILLed and restarted on the same directory, it resumes at its last save, and the driver's
-    loss goes on near where it was, not from the untrained start."""
-    sw = swarm_factory(["train.steps=20000", "train.warmup_steps=5"])
+def _crash_and_restart_stage1(swarm_factory, tmp_path, overrides: list[str], *, saved_at_least: int, then_steps: int,
+                              timeout: float):
+    """A 2-stage swarm whose stage 1's only peer saves every second; once it has saved a step of at least
+    ``saved_at_least`` it is SIGKILLed and restarted on the same directory, and the driver goes ``then_steps`` more
+    steps. Returns the swarm, the driver's metrics file, the step saved, the driver's records at the kill and the
+    restarted peer."""
+    sw = swarm_factory(["train.steps=20000", "train.warmup_steps=5", *overrides])
     metrics, ck = tmp_path / "crash.jsonl", tmp_path / "ck"
     sw.start("driver", "--stage", "0", "--metrics-out", str(metrics))
     victim = sw.start("s1", "--stage", "1", "--checkpoint-dir", str(ck), "--checkpoint-every", "1")
 
     def saved_step():
         steps = [int(s) for s in re.findall(r"checkpoint of stage 1 at step (\d+)", victim.log.read_text())]
-        return steps[-1] if steps and steps[-1] >= 30 else None
+        return steps[-1] if steps and steps[-1] >= saved_at_least else None
 
-    saved = wait_for(saved_step, 120, "a periodic checkpoint at step 30 or later")
-    assert (ck / "stage1.pt").is_file() and (ck / "stage1.json").is_file()
-    assert json.loads((ck / "stage1.json").read_text())["opt_step"] >= saved
+    saved = wait_for(saved_step, 120, f"a periodic checkpoint at step {saved_at_least} or later")
     victim.kill()
     killed_at = len(sw.metrics(metrics))
     again = sw.start("s1-again", "--stage", "1", "--checkpoint-dir", str(ck))
-    wait_for(lambda: len(sw.metrics(metrics)) >= killed_at + 12, 180, "training to go on through the restarted peer")
+    wait_for(lambda: len(sw.metrics(metrics)) >= killed_at + then_steps, timeout,
+             "training to go on through the restarted peer")
+    return sw, metrics, saved, killed_at, again
+
+
+def test_a_crashed_peer_resumes_its_stage_from_its_periodic_checkpoint(swarm_factory, tmp_path):
+    """A peer's checkpoint used to be written only at a graceful stop: a crash (SIGKILL, a power cut) took its stage's
+    training with it when it was the stage's only peer. With ``--checkpoint-every``, stage 1's only peer saves
+    while it trains; SIGKILLed and restarted on the same directory, it resumes at its last save, and the driver's
+    loss goes on near where it was, not from the untrained start."""
+    sw, metrics, saved, killed_at, again = _crash_and_restart_stage1(
+        swarm_factory, tmp_path, [], saved_at_least=30, then_steps=12, timeout=180)
+    ck = tmp_path / "ck"
+    assert (ck / "stage1.pt").is_file() and (ck / "stage1.json").is_file()
+    assert json.loads((ck / "stage1.json").read_text())["opt_step"] >= saved
     log = again.log.read_text()
     resumed = re.search(r"resumed stage 1 from \S+ at step (\d+)", log)
     assert resumed and int(resumed.group(1)) >= saved, tail(again.log)
@@ -714,22 +727,10 @@ def test_a_crashed_peer_follows_the_moving_reference_again_after_its_restart(swa
     is SIGKILLed and restarted (a new identity) from its periodic checkpoint, which holds the moves it had applied
     and held; those made since, it fetches from the driver (the pushes went to a dead peer), or, for one of its own
     that died with it, makes again; the forward requests' digests agree again and training goes on."""
-    sw = swarm_factory(["train.steps=20000", "train.warmup_steps=5", "mask.codec=rotq", "mask.bits=1",
-                        "mask.reference=both", "mask.reference_refresh=3", "mask.reference_refresh_rank=1",
-                        "mask.reference_refresh_bits=8"])
-    metrics, ck = tmp_path / "crash.jsonl", tmp_path / "ck"
-    sw.start("driver", "--stage", "0", "--metrics-out", str(metrics))
-    victim = sw.start("s1", "--stage", "1", "--checkpoint-dir", str(ck), "--checkpoint-every", "1")
-
-    def saved_step():
-        steps = [int(s) for s in re.findall(r"checkpoint of stage 1 at step (\d+)", victim.log.read_text())]
-        return steps[-1] if steps and steps[-1] >= 12 else None
-
-    wait_for(saved_step, 120, "a periodic checkpoint at step 12 or later")
-    victim.kill()
-    killed_at = len(sw.metrics(metrics))
-    again = sw.start("s1-again", "--stage", "1", "--checkpoint-dir", str(ck))
-    wait_for(lambda: len(sw.metrics(metrics)) >= killed_at + 9, 240, "training to go on through the restarted peer")
+    sw, metrics, _, killed_at, again = _crash_and_restart_stage1(
+        swarm_factory, tmp_path, ["mask.codec=rotq", "mask.bits=1", "mask.reference=both", "mask.reference_refresh=3",
+                                  "mask.reference_refresh_rank=1", "mask.reference_refresh_bits=8"],
+        saved_at_least=12, then_steps=9, timeout=240)
     log = again.log.read_text()
     resumed = re.search(r"resumed stage 1 from \S+ at step (\d+)", log)
     assert resumed, tail(again.log)
