@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..compression.quant import dequantize_absmax, quantize_absmax
+from ..compression.quant import dequantize_absmax, quantize_absmax, quantized_nbytes
 
 MOVE_BITS = (16, 8)
 # the largest change a move may make to one weight: far beyond any training step, and small enough that a finite
@@ -62,7 +62,8 @@ def move_size(shapes: dict[str, tuple[int, ...]], rank: int, bits: int) -> int:
     total = 0
     for shape in shapes.values():
         if len(shape) == 2 and rank < min(shape):
-            total += rank * (shape[0] + shape[1]) * (1 if bits == 8 else 2) + (8 * rank if bits == 8 else 0)
+            total += (quantized_nbytes(rank, shape[0], 8) + quantized_nbytes(rank, shape[1], 8) if bits == 8
+                      else rank * (shape[0] + shape[1]) * 2)
         else:
             total += 2 * int(torch.Size(shape).numel())
     return total
