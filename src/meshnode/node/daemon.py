@@ -245,14 +245,16 @@ class SwarmNode:
         return host
 
     async def _fetch_move(self, stage: int, version: int) -> tuple[str, dict[str, Any]] | None:
-        """A reference move this peer was not pushed (:mod:`.refmoves`), from a peer of ``stage`` or else from any
-        peer that follows it: (the peer that answered, the move as pushed), or None if none holds it."""
+        """A reference move this peer was not pushed (:mod:`.refmoves`), from a peer that follows ``stage`` or else
+        from the stage's peer: (the peer that answered, the move as pushed), or None if none holds it."""
         from hivemind.p2p import PeerID
 
         from ..protocol.servicer import call_rpc
 
         limits = self.host.limits
-        order = [stage, *follower_stages(stage, self.num_stages, self.cfg.mask.reference)]
+        # the followers first: the stage's peer makes a move it does not hold (a restart), which must not replace
+        # one its previous process sent
+        order = [*follower_stages(stage, self.num_stages, self.cfg.mask.reference), stage]
         for s in order:
             for p in self.swarm.candidates(s, include_avoided=True):
                 try:

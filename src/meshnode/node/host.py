@@ -547,7 +547,7 @@ class StageHost:
             if (request.get("run") != self.run_id or not isinstance(want, list) or len(want) != 2
                     or not all(isinstance(x, int) and not isinstance(x, bool) for x in want)):
                 raise WireError("reference move fetch: expected run and fetch = [stage, version]")
-            return {"ok": True, **self.ref_moves.held_move(*want)}
+            return {"ok": True, **(await self.ref_moves.held_move(*want))}
         return await self.ref_moves.receive(request, sender)
 
     def info(self) -> dict[str, Any]:

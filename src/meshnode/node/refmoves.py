@@ -116,13 +116,14 @@ class SwarmReference:
             logger.warning("stage %d: step %d would make reference move %d, but the reference holds version %d of "
                            "this stage; no move", self.stage, nxt, version, self.reference.versions[self.stage])
             return
+        await self._make_and_send(version)
+
+    async def _make_and_send(self, version: int) -> None:
+        """This stage's move ``version``, held for its step and sent to the followers in the background."""
         move = await self.host.run(self._make)
         async with self._arrived:
             self._hold(self.stage, version, move)
             self._arrived.notify_all()
-        self._send_in_background(version, move)
-
-    def _send_in_background(self, version: int, move: Move) -> None:
         if self.push is not None and self.followers:
             request = reference_move_request(run=self.host.run_id, stage=self.stage, version=version, move=move)
             task = asyncio.create_task(self._send(version, request, move_nbytes(move)))
@@ -251,15 +252,15 @@ class SwarmReference:
         anyone (and this peer restarted from a checkpoint older than it), so every peer takes this one instead."""
         logger.warning("stage %d: reference move %d of this stage is held by no peer (its maker stopped before "
                        "sending it); making it now from this peer's weights", self.stage, version)
-        move = await self.host.run(self._make)
-        async with self._arrived:
-            self._hold(self.stage, version, move)
-            self._arrived.notify_all()
-        self._send_in_background(version, move)
+        await self._make_and_send(version)
 
-    def held_move(self, stage: int, version: int) -> dict[str, Any]:
+    async def held_move(self, stage: int, version: int) -> dict[str, Any]:
         """``rpc_reference_move`` with ``fetch``: the move (stage, version) as pushed, if this peer holds it (applied
-        or pending); WireError if not."""
+        or pending); WireError if not. The next move of this peer's own stage that it does not hold is made now
+        (this peer restarted from a checkpoint older than it, and the asker has already asked the followers, which
+        would hold it had the previous process sent it)."""
+        if (stage == self.stage and not self.pending[stage] and version == self.reference.versions[stage] + 1):
+            await self._make_late(version)
         with self._book:
             move = self.pending.get(stage, {}).get(version)
             if move is None:
