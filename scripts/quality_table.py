@@ -308,6 +308,9 @@ VARIANTS: dict[str, list[str]] = {
     "dense_dp_vc_r2_h20_kr_b32": [*DP, *DP_B32, "dp.keep_residual=true"],
     # half its DP bytes: rank 1 every 20 steps with keep_residual (what brings the whole system under dense/40)
     "dense_dp_vc_r1_h20_kr_b32": [*DP, *DP_B32, "dp.rank=1", "dp.keep_residual=true"],
+    # what syncing more often buys back (forty-first session): the same at H = 10 and H = 5 (2x, 4x the DP bytes)
+    "dense_dp_vc_r1_h10_kr_b32": [*DP, *DP_B32, "dp.rank=1", "dp.keep_residual=true", "dp.inner_steps=10"],
+    "dense_dp_vc_r1_h5_kr_b32": [*DP, *DP_B32, "dp.rank=1", "dp.keep_residual=true", "dp.inner_steps=5"],
     # the control for those DP rows: one replica alone on its 16 sequences a step (run with --steps 240 for 60 steps;
     # half the tokens): what a DP replica would reach if its syncs brought it nothing
     "dense_b16": ["train.batch_size=4", "train.microbatches=4"],
