@@ -84,17 +84,18 @@ def test_demo_methods_make_valid_configs_and_unknown_ones_fail(cache_dir):
     import pytest
 
     from meshnode.config import load_config
+    from meshnode.node.claim import fixed_routes
     from meshnode.node.demo import DEMO_METHODS, method_overrides
 
     rotq_bits = {"rotq4": (4, 0), "rotq4g1": (4, 1), "rotq2": (2, 0)}  # (activation bits, gradient bits; 0 = same)
     assert set(rotq_bits) <= set(DEMO_METHODS)
     for method in DEMO_METHODS:
-        if method.endswith("rr"):  # a moving reference: one peer per stage
-            with pytest.raises(ValueError, match="one peer per stage"):
-                method_overrides(method, tiny=True, dp_peers=2, anchor=True, anchor_key="k")
+        if method.endswith("rr"):  # a moving reference: with DP, fixed routes (one reference per replica chain)
             cfg = load_config(TINY, method_overrides(method, tiny=True, dp_peers=1, anchor=True, anchor_key="k"))
-            assert not cfg.dp.enabled and cfg.mask.reference_code_bits == 32
+            assert not cfg.dp.enabled and cfg.mask.reference_code_bits == 32 and not fixed_routes(cfg)
             assert (cfg.mask.reference_refresh, cfg.mask.reference_refresh_rank) == (10, 1)
+            cfg = load_config(TINY, method_overrides(method, tiny=True, dp_peers=2, anchor=True, anchor_key="k"))
+            assert cfg.dp.enabled and cfg.dp.replicas == 2 and fixed_routes(cfg)
             continue
         over = method_overrides(method, tiny=True, dp_peers=2, anchor=True, anchor_key="k")
         cfg = load_config(TINY, over)

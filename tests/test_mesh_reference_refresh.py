@@ -3,6 +3,7 @@ weights of its one replica) instead of staying the pretrained model."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -13,6 +14,7 @@ from meshnode.config import ConfigError
 from meshnode.mesh import MeshTrainer
 from meshnode.mesh.refresh import followers, low_rank_step
 from meshnode.stage import MapStore, ResidualMap
+from meshnode.stage.reference import CODE_TENSORS, MAP_TENSORS, PayloadError
 
 BASE = ("train.eval_every=0", "model.stages=3", "train.lr=3e-3", "train.warmup_steps=0", "mask.codec=rotq",
         "mask.bits=1", "mask.reference=both", "train.bf16=false")
@@ -248,6 +250,41 @@ def test_a_fit_not_yet_shipped_is_withdrawn_when_the_reference_moves():
     only_map.forget_map()
     assert only_map.current is None
     assert only_map.attach(EncodedPayload("rotq", "activation", (1, 1, 16), "float32", {})).meta == {}
+
+
+def test_a_fit_whose_map_a_move_withdrew_reaches_a_new_receiver_as_its_code():
+    """A sender restored from a state taken after a move and before its next fit (a swarm peer's restart, or a
+    chain that took another chain's state) holds a fit without a map, under a new sender id: a receiver that never
+    held it takes the code alone and decodes what the sender coded with it; a payload that carries half a map is
+    still refused."""
+    gen = torch.Generator().manual_seed(1)
+    m = ResidualMap(16, 2, code_bits=16, sender=7, fit_bits=8)
+    for _ in range(4):
+        m.observe(torch.randn(4, 8, 16, generator=gen), torch.randn(4, 8, 16, generator=gen))
+    assert m.refit(), m.refit_error
+    from meshnode.compression import BoundaryContext, EncodedPayload, RotQuantCodec
+
+    m.attach(EncodedPayload("rotq", "activation", (1, 1, 16), "float32", {}))  # shipped to its first receiver
+    m.forget_map()
+    restored = ResidualMap(16, 2, code_bits=16, fit_bits=8)
+    restored.load_state_dict(m.state_dict())
+    restored.sender = 9  # what load_fit_state(fresh_sender=True) does
+    codec = RotQuantCodec(1)
+    x = torch.randn(2, 8, 16, generator=gen)
+    sent = restored.attach(codec.encode(x, BoundaryContext(transform=restored.transform)), ship=True)
+    assert not set(MAP_TENSORS) & set(sent.tensors) and CODE_TENSORS[0] in sent.tensors
+    store = MapStore(16, 2, code_bits=16, fit_bits=8)
+    plain, key = store.take(sent)
+    assert key == (9, 1) and store.maps[key].u is None
+    torch.testing.assert_close(codec.decode(plain, BoundaryContext(transform=store.maps[key].transform)),
+                               codec.decode(plain, BoundaryContext(transform=restored.transform)), rtol=0, atol=0)
+    for _ in range(4):
+        m.observe(torch.randn(4, 8, 16, generator=gen), torch.randn(4, 8, 16, generator=gen))
+    assert m.refit(), m.refit_error
+    whole = m.attach(codec.encode(x, BoundaryContext(transform=m.transform)), ship=True)
+    half = {k: t for k, t in whole.tensors.items() if k != MAP_TENSORS[1]}
+    with pytest.raises(PayloadError, match="must carry"):
+        MapStore(16, 2, code_bits=16, fit_bits=8).take(dataclasses.replace(whole, tensors=half))
 
 
 def test_a_bad_reference_weight_is_refused_and_changes_nothing(tiny_cfg, cache_dir):

@@ -12,6 +12,8 @@ from meshnode.protocol import keys
 from meshnode.protocol.messages import tensor_to_bytes
 from meshnode.protocol.records import PeerRecord, cycle_digest, factors_digest, prior_value
 
+from .conftest import TINY
+
 
 def peer(pid, stage, role="fast", state="online", **kw):
     return PeerRecord(peer_id=pid, role=role, stage=stage, num_stages=3, state=state, **kw)
@@ -1016,3 +1018,21 @@ def test_one_fetch_of_a_stages_replicas_gives_both_the_first_replica_and_their_m
     assert torch.equal(mean[0]["w"], torch.tensor([2.0, 4.0])) and torch.equal(mean[1]["w"], torch.tensor([5.0]))
     assert mean_meta[0] == {"peers": ["a", "b"], "opt_steps": [30, 29], "dp_syncs": 3, "averaged": 2}
     assert mean_meta[1]["averaged"] == 1
+
+
+def test_peers_of_any_stage_take_replica_chains_among_their_stage():
+    """Fixed routes (DP with a moving reference): every peer takes a chain by the drivers' rule, among the peers of
+    its own stage only; a peer of another stage, or an anchor, holds none of them."""
+    from meshnode.config import load_config
+    from meshnode.node.claim import fixed_routes
+
+    others = [peer("a", 0, "driver", shard=0), peer("b", 2, shard=1), peer("x", 1, "anchor", shard=0)]
+    assert choose_shard(others, "m", 2, stage=1) == 0  # stage 1 has no chain taken yet
+    assert choose_shard([*others, peer("c", 1, shard=0)], "m", 2, stage=1) == 1
+    assert choose_shard([*others, peer("c", 1, shard=0)], "m", 2, current=0, stage=1) == 1  # c's id is smaller
+    assert choose_shard([*others, peer("z", 1, shard=0)], "m", 2, current=0, stage=1) == 0  # ... z's is not
+    assert choose_shard([*others, peer("c", 1, shard=0, state="offline")], "m", 2, stage=1) == 0
+    moving = ["mask.codec=rotq", "mask.reference=both", "mask.reference_refresh=3", "mask.reference_refresh_rank=1"]
+    assert not fixed_routes(load_config(TINY, ["dp.enabled=true"]))
+    assert not fixed_routes(load_config(TINY, moving))
+    assert fixed_routes(load_config(TINY, ["dp.enabled=true", *moving]))

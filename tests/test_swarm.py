@@ -740,3 +740,83 @@ def test_a_crashed_peer_follows_the_moving_reference_again_after_its_restart(swa
     assert caught_up or versions[0] * 3 <= int(resumed.group(1)) + 3, tail(again.log)
     recs = sorted(sw.metrics(metrics), key=lambda r: r["step"])
     assert all(math.isfinite(r["loss"]) for r in recs[killed_at:])
+
+
+# the moving reference of the equivalence test's last case: rank-1 int8 moves after every 3rd step
+MOVING_REFERENCE = ["mask.codec=rotq", "mask.bits=1", "mask.reference=both", "mask.reference_map_rank=8",
+                    "mask.reference_map_period=2", "mask.reference_code_bits=32", "mask.reference_refresh=3",
+                    "mask.reference_refresh_rank=1", "mask.reference_refresh_bits=8"]
+
+
+def test_two_replica_chains_each_move_their_own_reference(swarm_factory, tmp_path, cache_dir):
+    """DP with a moving reference keeps fixed routes (``meshnode.node.claim.fixed_routes``): two peers per stage,
+    each takes a replica chain, calls only its chain's next peer and sends its stage's reference moves to its
+    chain's followers, so each chain moves its own reference towards its own weights, as the mesh's replicas do.
+
+    Chain 0's driver trains from step 0 while the rest starts: with no DP round in the run (H beyond it) it is the
+    mesh's replica 0, loss for loss within 1e-5, its moves' bytes as logged half the mesh's ``ref`` (two chains).
+    Chain 1's driver joins later: it loads chain 0's driver's state with its reference moves (no peer of chain 1 has
+    moved yet), and chain 1's other peers fetch those moves from it in order, however far behind they are; from then
+    on chain 1 moves its own. Then chain 1's stage-1 peer is SIGKILLed and a new peer with no state joins stage 1: it
+    takes chain 1 (the dead peer's record still names it; asked, it does not answer), loads chain 0's peer's weights
+    without that chain's moves, fetches chain 1's when a microbatch needs them, and chain 1 trains on through it."""
+    steps, total = 8, 100000  # neither chain stops before the test does
+    over = THREE + [*MOVING_REFERENCE, "dp.enabled=true", "dp.replicas=2", "dp.inner_steps=1000",
+                    f"train.steps={total}", "train.microbatches=2"]
+    sw = swarm_factory(over)
+    peers = {}
+    for s in (2, 1):
+        for c in (0, 1):  # one at a time: each sees the chains the ones before it took
+            peers[s, c] = sw.start(f"stage{s}-{c}", "--stage", str(s))
+    metrics = {c: tmp_path / f"driver{c}.jsonl" for c in (0, 1)}
+    peers[0, 0] = sw.start("stage0-0", "--stage", "0", "--metrics-out", str(metrics[0]))
+    wait_for(lambda: len(sw.metrics(metrics[0])) >= steps, 120, "chain 0's first steps")
+    peers[0, 1] = sw.start("stage0-1", "--stage", "0", "--metrics-out", str(metrics[1]))
+    chain_of = re.compile(r"stage (\d): replica chain (\d) of 2")
+    for (s, c), p in peers.items():
+        assert chain_of.findall(p.log.read_text()) == [(str(s), str(c))], tail(p.log)
+    forked = re.search(r"loaded stage 0 state \(step (\d+)\) from peer \S+ of replica chain 0 with its reference "
+                       r"moves", peers[0, 1].log.read_text())
+    assert forked and int(forked.group(1)) >= steps, tail(peers[0, 1].log)
+    wait_for(lambda: len(sw.metrics(metrics[1])) >= 6, 180, "chain 1's first steps")
+
+    from meshnode.mesh import MeshTrainer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer = MeshTrainer(sw.cfg, cache_dir)
+        mesh = [trainer.train_step()["replica_loss"][0] for _ in range(steps)]
+    finally:
+        torch.set_num_threads(threads)
+    losses = [m["loss"] for m in sorted(sw.metrics(metrics[0]), key=lambda m: m["step"])][:steps]
+    assert losses == pytest.approx(mesh, abs=1e-5)
+    pattern = re.compile(r"stage (\d): reference move (\d+) \((\d+) bytes\) sent to (\d+) followers")
+    sent = {c: [m for s in range(3) for m in pattern.findall(peers[s, c].log.read_text())] for c in (0, 1)}
+    early = [m for m in sent[0] if int(m[1]) <= 2]  # moves 1, 2 of the 3 stages: the mesh's first 8 steps
+    assert len(early) == 3 * 2 and all(int(m[3]) == 2 for m in early)
+    assert 2 * sum(int(m[2]) * int(m[3]) for m in early) == trainer.counter.snapshot()["ref"] > 0
+    fork = int(forked.group(1)) // 3
+    assert {int(m[1]) for m in sent[1]} and min(int(m[1]) for m in sent[1]) > fork  # chain 1's own, after the fork
+    for s in (1, 2):  # chain 1's peers took chain 0's moves up to the fork from chain 1's driver
+        log = peers[s, 1].log.read_text()
+        assert re.search(r"fetched it from", log) and f"reference at version {fork}" in log, tail(peers[s, 1].log)
+    for p in peers.values():  # no microbatch or move refused (a fetch asks peers that may not hold the move)
+        lines = p.log.read_text().splitlines()
+        refused = [ln for ln in lines if "refused" in ln and "not held by this peer" not in ln]
+        assert not refused, refused[:3]
+
+    victim = peers[1, 1].ready()["peer_id"]
+    peers[1, 1].kill()
+    killed_at = len(sw.metrics(metrics[1]))
+    new = sw.start("stage1-new", "--stage", "1")
+    wait_for(lambda: len(sw.metrics(metrics[1])) >= killed_at + 4, 240, "chain 1 to train on")
+    log = new.log.read_text()
+    assert chain_of.findall(log) == [("1", "1")], tail(new.log)
+    assert f"{victim[-8:]}'s record holds replica chain 1, but it does not answer" in log, tail(new.log)
+    assert re.search(r"loaded stage 1 state \(step \d+\) from peer \S+ of replica chain 0 without", log), tail(new.log)
+    assert "fetched it from" in log, tail(new.log)
+    versions = [int(v) for v in re.findall(r"reference at version (\d+)", log)]
+    assert versions and versions[0] > fork, tail(new.log)  # chain 1's own moves, fetched in one go
+    recs = sorted(sw.metrics(metrics[1]), key=lambda r: r["step"])
+    assert len(recs) >= killed_at + 4 and all(math.isfinite(r["loss"]) for r in recs)

@@ -30,10 +30,6 @@ def test_help():
     (["join", "--config", str(TINY), "--set", "dp.average_moments=true"], "dp.average_moments"),
     (["join", "--config", str(TINY), "--set", "mask.codec=rotq", "--set", "mask.reference=forward", "--set",
       "mask.reference_refresh=10"], "mask.reference_refresh_rank"),
-    # a moving reference in the swarm: rank-r moves from one peer per stage, so not with DP
-    (["join", "--config", str(TINY), "--set", "mask.codec=rotq", "--set", "mask.reference=both", "--set",
-      "mask.reference_refresh=10", "--set", "mask.reference_refresh_rank=1", "--set", "dp.enabled=true"],
-     "one per chain"),
     # the swarm takes dp.v_correction, but not without the microbatches its estimate needs
     (["join", "--config", str(TINY), "--set", "dp.v_correction=true", "--set", "dp.enabled=true"], "dp.v_correction"),
     (["status", "--initial-peers", "/ip4/127.0.0.1/tcp/1"], "--run"),

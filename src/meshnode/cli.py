@@ -303,9 +303,6 @@ def join(
             raise ConfigError("mask.reference_refresh without mask.reference_refresh_rank (whole copies of the live "
                               "weights, or DP's start weights) is an in-process mesh experiment; a swarm's reference "
                               "moves by rank-r steps (set mask.reference_refresh_rank)")
-        if cfg.mask.reference_refresh and cfg.dp.enabled:
-            raise ConfigError("mask.reference_refresh with DP: each replica chain would move its own reference, and "
-                              "the swarm does not keep one per chain yet; run one peer per stage, or no refresh")
         from .node.daemon import JoinOptions, run_join
 
         opts = JoinOptions(

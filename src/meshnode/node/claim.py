@@ -179,16 +179,31 @@ def best_move(serving: list[list[PeerRecord]], speeds: list[list[float]], costs:
     return min(movers[best[1], best[2]]), best[2], best[0]
 
 
-def choose_shard(peers: Sequence[PeerRecord], me: str, shards: int, current: int | None = None) -> int:
+def fixed_routes(cfg) -> bool:
+    """Whether the swarm's microbatches keep to fixed routes, one per replica chain: with DP and a moving reference
+    (``mask.reference_refresh``), each chain's peers move their stages' references towards their own weights (as
+    the in-process mesh does), so both ends of a boundary hold the same reference only within a chain. Every peer
+    then takes a chain (:func:`choose_shard` among its stage's peers, announced as its record's ``shard``; a
+    driver's chain is its data shard), calls only the next stage's peer of its chain and sends its reference moves
+    to its chain's followers only."""
+    return bool(cfg.dp.enabled and cfg.mask.reference_refresh)
+
+
+def choose_shard(peers: Sequence[PeerRecord], me: str, shards: int, current: int | None = None,
+                 stage: int = 0) -> int:
     """The data shard (of ``shards`` = dp.replicas) driver ``me`` should read, from the shards the other drivers
     announce: its ``current`` one unless a driver with a smaller peer id holds it too; otherwise a shard no other
     driver holds: at the start, of the free shards the one of its rank among the drivers that hold none yet (two
     drivers starting together take 0 and 1 if they see each other; if not, both take 0, and once their records
     meet the larger peer id moves), later the lowest. With every shard held (more drivers than shards), drivers
-    share them by their rank among the drivers."""
+    share them by their rank among the drivers.
+
+    With fixed routes (:func:`fixed_routes`) every peer of ``stage`` takes a shard the same way among that stage's
+    peers: its replica chain, the route its microbatches take and the reference moves it follows."""
     if shards <= 0:
         raise ValueError(f"shards must be > 0, got {shards}")
-    drivers = [p for p in peers if p.role == "driver" and p.state in ("joining", "online") and p.peer_id != me]
+    drivers = [p for p in peers if p.stage == stage and p.role in ("driver", "fast")
+               and p.state in ("joining", "online") and p.peer_id != me]
     held = {p.shard for p in drivers if p.shard is not None}
     if current is not None and 0 <= current < shards and not any(
             p.shard == current and p.peer_id < me for p in drivers):
@@ -203,5 +218,5 @@ def choose_shard(peers: Sequence[PeerRecord], me: str, shards: int, current: int
     return sorted({me, *(p.peer_id for p in drivers)}).index(me) % shards
 
 
-__all__ = ["GAIN", "MIN_CAPACITY", "best_move", "choose_shard", "choose_stage", "in_transit", "should_rebalance",
-           "stage_loads", "stage_rates", "starved_stages"]
+__all__ = ["GAIN", "MIN_CAPACITY", "best_move", "choose_shard", "choose_stage", "fixed_routes", "in_transit",
+           "should_rebalance", "stage_loads", "stage_rates", "starved_stages"]

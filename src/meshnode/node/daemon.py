@@ -53,7 +53,7 @@ from ..protocol.records import PeerRecord
 from ..protocol.servicer import RPCServicer, StageServicer, collect_stream
 from ..stage.moves import move_size
 from ..stage.reference import follower_stages
-from .claim import choose_shard, choose_stage, in_transit, should_rebalance, stage_loads, stage_rates
+from .claim import choose_shard, choose_stage, fixed_routes, in_transit, should_rebalance, stage_loads, stage_rates
 from .host import StageHost, pieces_bytes, state_bytes_bound, state_chunk_bytes, weights_from_chunks
 from .status import driver_step, swarm_health
 from .swarm import ChainError, SwarmClient, SwarmError, start_dht
@@ -126,6 +126,10 @@ class SwarmNode:
         self.driver_step = 0
         self.driver_tokens = 0
         self.shard: int | None = None  # a driver's data shard (of dp.replicas), announced in its record
+        # fixed routes (DP with a moving reference): every peer's replica chain, announced as its shard
+        self.routes = fixed_routes(cfg)
+        self.replicas = cfg.dp.replicas if cfg.dp.enabled or cfg.dp.replicas > 1 else 1
+        self._chain_warned: int | None = None
         self.last_loss: float | None = None
         self.prior_step: int | None = None
         self.metrics = None
@@ -256,7 +260,7 @@ class SwarmNode:
         # one its previous process sent
         order = [*follower_stages(stage, self.num_stages, self.cfg.mask.reference), stage]
         for s in order:
-            for p in self.swarm.candidates(s, include_avoided=True):
+            for p in self.swarm.candidates(s, include_avoided=True, chain=self._chain()):
                 try:
                     reply = await call_rpc(self.swarm.p2p, PeerID.from_base58(p.peer_id),
                                            f"{self.run_id}.rpc_reference_move",
@@ -293,17 +297,74 @@ class SwarmNode:
                     logger.info("reference move to %s failed (attempt %d): %r", peer_id[-8:], attempt + 1, exc)
             return False
 
-        twins = self.swarm.candidates(self.stage, include_avoided=True)
+        chain = self._chain()
+        twins = self.swarm.candidates(self.stage, include_avoided=True, chain=chain)
         if twins:  # each would move its own chain's reference: followers keep the first move of each version
-            logger.warning("stage %d has %d other peer(s) online (%s; or the record of a peer that left, until it "
-                           "expires): a moving reference (mask.reference_refresh) follows one peer per stage; two "
-                           "peers' moves conflict, and the forward requests of one chain will be refused", self.stage,
-                           len(twins), ", ".join(p.peer_id[-8:] for p in twins))
-        peers = [p.peer_id for s in stages for p in self.swarm.candidates(s, include_avoided=True)]
+            logger.warning("stage %d has %d other peer(s) online%s (%s; or the record of a peer that left, until it "
+                           "expires): a moving reference (mask.reference_refresh) follows one peer per stage of a "
+                           "chain; two peers' moves conflict, and the forward requests of one of them will be refused",
+                           self.stage, len(twins), "" if chain is None else f" in replica chain {chain}",
+                           ", ".join(p.peer_id[-8:] for p in twins))
+        peers = [p.peer_id for s in stages for p in self.swarm.candidates(s, include_avoided=True, chain=chain)]
         return sum(await asyncio.gather(*(send(p) for p in peers)))
 
     async def _call_next(self, stage: int, build) -> dict[str, Any]:
-        return await self.swarm.call_stage(stage, build, stall_timeout=60.0, is_stopping=self.leaving.is_set)
+        return await self.swarm.call_stage(stage, build, stall_timeout=60.0, is_stopping=self.leaving.is_set,
+                                           chain=self._chain())
+
+    def _chain(self) -> int | None:
+        """The replica chain whose peers this one calls and sends moves to (fixed routes), else None: any peer."""
+        return self.shard if self.routes else None
+
+    async def _take_chain(self, ckpt: Path | None) -> None:
+        """Fixed routes: take a replica chain of this stage before serving, the one a checkpoint names first (a
+        restart goes back to its chain, whose peers hold its reference moves)."""
+        current = None
+        meta = ckpt.with_suffix(".json") if ckpt is not None else None
+        if meta is not None and meta.is_file():
+            with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+                chain = json.loads(meta.read_text()).get("chain")
+                current = chain if isinstance(chain, int) and not isinstance(chain, bool) else None
+        with contextlib.suppress(Exception):  # every holder's copy: the chains this stage's other peers took
+            await self.swarm.refresh(full=True)
+        self.shard = await self._chain_now(self.swarm.peers, current)
+        logger.info("stage %d: replica chain %d of %d (fixed routes: DP with a moving reference)", self.stage,
+                    self.shard, self.replicas)
+
+    async def _chain_now(self, peers: list[PeerRecord], current: int | None) -> int:
+        """Fixed routes: the chain to hold, from :func:`.claim.choose_shard` among this stage's peers that answer
+        (the record of a peer that died holds its chain until it expires: asked only when it would decide) and
+        :meth:`_recheck_chain`."""
+        me = self.swarm.peer_id
+        chosen = choose_shard(peers, me, self.replicas, current, stage=self.stage)
+        rivals = [p for p in peers if p.stage == self.stage and p.peer_id != me and p.shard is not None
+                  and p.role in ("driver", "fast") and p.state in ("joining", "online")]
+        if rivals and (current is None or chosen != current):
+            alive = await asyncio.gather(*(self.swarm.answers(p.peer_id) for p in rivals))
+            dead = {p.peer_id for p, ok in zip(rivals, alive) if not ok}
+            for p in rivals:
+                if p.peer_id in dead:
+                    logger.info("stage %d: peer %s's record holds replica chain %d, but it does not answer: not "
+                                "counted", self.stage, p.peer_id[-8:], p.shard)
+            if dead:
+                chosen = choose_shard([p for p in peers if p.peer_id not in dead], me, self.replicas, current,
+                                      stage=self.stage)
+        return chosen if current is None else self._recheck_chain(chosen)
+
+    def _recheck_chain(self, chosen: int) -> int:
+        """Fixed routes: the chain ``choose_shard`` names now, or this peer's own once its reference has moved (its
+        moves are its chain's: changing chains then would code against another chain's reference), with an error
+        logged once per conflict."""
+        host = self.host
+        moved = host is not None and host.ref_moves is not None and host.ref_moves.has_moved()
+        if chosen == self.shard or self.shard is None or not moved:
+            return chosen
+        if self._chain_warned != chosen:
+            self._chain_warned = chosen
+            logger.error("stage %d: another peer with a smaller id holds replica chain %d too; this peer keeps it "
+                         "(its reference has moved with this chain), and the two peers' moves conflict: stop one",
+                         self.stage, self.shard)
+        return self.shard
 
     def _make_record(self, state: str) -> PeerRecord:
         host = self.host
@@ -377,6 +438,14 @@ class SwarmNode:
             except Exception as exc:
                 logger.warning("DHT refresh failed: %r", exc)
                 continue
+            if self.routes and self.role != "driver" and self.shard is not None:  # a driver re-checks every step
+                chain = await self._chain_now(peers, self.shard)
+                if chain != self.shard:
+                    logger.warning("stage %d: replica chain %d is another peer's; taking chain %d", self.stage,
+                                   self.shard, chain)
+                    self.shard = chain
+                    with contextlib.suppress(Exception):
+                        await self.announce()
             health = swarm_health(peers, self.num_stages)
             if health != last_health:
                 for line in health:
@@ -471,12 +540,21 @@ class SwarmNode:
             (logger.warning if self.moves else logger.info)(
                 "stage %d: no peer of it, no checkpoint and no anchor copy to load from; starting from the "
                 "pretrained weights", self.stage)
+        if self.routes:  # a peer of its own chain first: its reference moves and fits are this chain's
+            others.sort(key=lambda p: p.shard != self.shard)
         for peer in others[:3]:
             try:
                 blob = await self._fetch_state(peer.peer_id)
-                await host.run(host.load_state_blob, blob)
-                logger.info("loaded stage %d state (step %d) from peer %s", self.stage, host.opt_step,
-                            peer.peer_id[-8:])
+                own = not self.routes or peer.shard == self.shard
+                # another chain's state: its reference moves are that chain's. This peer's chain goes on from them
+                # (a fork) only if none of its peers has moved yet; else it fetches its own chain's moves
+                fork = not own and await self._fetch_move(self.stage, 1) is None
+                await host.run(host.load_state_blob, blob, False, own or fork)
+                logger.info("loaded stage %d state (step %d) from peer %s%s", self.stage, host.opt_step,
+                            peer.peer_id[-8:], "" if own else f" of replica chain {peer.shard} " + (
+                                "with its reference moves (no peer of this chain has moved its reference yet: the "
+                                "chain goes on from that one's)" if fork else "without its reference moves (this "
+                                "chain's are fetched from its peers)"))
                 break
             except Exception as exc:
                 logger.warning("could not load state from %s: %r", peer.peer_id[-8:], exc)
@@ -605,6 +683,8 @@ class SwarmNode:
                                    partners=lambda: self.swarm.recent_partners(self.stage), clock=self._dp_clock,
                                    fetch_outer=self._fetch_outer, recheck=self.swarm.refresh_full)
             self.host.after_step_hooks.append(self.host.dp.after_step)
+        if self.routes:
+            await self._take_chain(ckpt)
         await self._load_initial_state(ckpt)
         self.servicer = StageServicer(self.host, self.host.limits.max_message_bytes)
         await self.servicer.add_p2p_handlers(self.swarm.p2p, self.run_id)
@@ -677,6 +757,7 @@ class SwarmNode:
         meta = {
             "run_id": self.run_id, "stage": stage, "opt_step": host.opt_step, "driver_step": self.driver_step,
             "driver_tokens": self.driver_tokens, "bytes": self.counter.snapshot(), "partial_microbatches": taken,
+            "chain": self._chain(),
         }
         path = Path(directory) / CHECKPOINT_NAME.format(stage=stage)
         if not await asyncio.to_thread(self._write_checkpoint, path, blob, meta, seq):
@@ -735,7 +816,7 @@ class SwarmNode:
         cfg = self.cfg
         tok = make_tokenizer(cfg.model, None if cfg.model.tokenizer == "bytes" else _hf_tokenizer(cfg, self.opts))
         corpus = await asyncio.to_thread(prepare_corpus, cfg.data, tok, self.opts.cache_dir)
-        replicas = cfg.dp.replicas if cfg.dp.enabled or cfg.dp.replicas > 1 else 1
+        replicas = self.replicas
         M = cfg.train.microbatches
         start = time.monotonic()
         source = None
@@ -747,7 +828,10 @@ class SwarmNode:
             step = self.driver_step
             # each driver reads its own shard: the one no other driver announces (re-checked every step, so two
             # drivers that started together and both took shard 0 part once they see each other's records)
-            shard = choose_shard(self.swarm.peers, self.swarm.peer_id, replicas, self.shard)
+            if self.routes:
+                shard = await self._chain_now(self.swarm.peers, self.shard)
+            else:
+                shard = choose_shard(self.swarm.peers, self.swarm.peer_id, replicas, self.shard)
             if source is None or shard != self.shard:
                 if source is not None:
                     logger.info("driver: shard %d is another driver's; moving to shard %d at step %d", self.shard,

@@ -27,6 +27,7 @@ from rich.console import Console
 
 from ..config import load_config
 from ..protocol import keys
+from .claim import fixed_routes
 from .inspect import heldout_loss_of
 from .procs import PeerProcess, read_jsonl, start_peer
 from .status import bytes_per_token, render_table, slowest_driver_step, status_json
@@ -98,13 +99,11 @@ def method_overrides(method: str, *, tiny: bool, dp_peers: int, anchor: bool, an
     same, with the activations and the gradients in fitted transform codes of half a bit per coordinate:
     ``mask.reference_code_bits`` and ``mask.reference_grad_code_bits`` 288 bits a token, 32 on the tiny model),
     ``rotq1refmaptcrr`` (the same against a reference that moves every 10 steps by each stage's rank-1 move in
-    int8: ``mask.reference_refresh``, one peer per stage, so not with ``dp_peers > 1``); with DP when
-    ``dp_peers > 1`` (then the anchor takes its weights from the DP log: ``anchor.snapshot = dp``)."""
+    int8: ``mask.reference_refresh``; with ``dp_peers > 1`` each replica chain keeps to its own route and moves
+    its own reference, :func:`.claim.fixed_routes`); with DP when ``dp_peers > 1`` (then the anchor takes its
+    weights from the DP log: ``anchor.snapshot = dp``)."""
     if method not in DEMO_METHODS:
         raise ValueError(f"unknown demo method {method!r} (one of {', '.join(DEMO_METHODS)})")
-    if method.endswith("rr") and dp_peers > 1:
-        raise ValueError(f"demo method {method} moves the reference, which the swarm does with one peer per stage: "
-                         "not with --dp-peers")
     if method == "dense":
         out = ["mask.ratio=0.0"]
     elif method == "rotq2ref":
@@ -192,6 +191,8 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
                 if s == 0:
                     extra += ["--metrics-out", str(workdir / f"{name}.metrics.jsonl")]
                 out.append(start_peer(name, workdir, base, overrides, extra=extra, **common))
+                if fixed_routes(cfg):  # one at a time: each takes its replica chain seeing the ones before it
+                    out[-1].wait_ready(opts.ready_timeout)
             return out
 
         # the drivers (stage 0) start last, so training begins with the whole pipeline and the anchor up

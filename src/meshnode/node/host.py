@@ -722,11 +722,13 @@ class StageHost:
         if self.dp is not None:
             self.dp.restart_from_weights()
 
-    def load_state_blob(self, blob: bytes, partial: bool = False) -> int:
+    def load_state_blob(self, blob: bytes, partial: bool = False, chain: bool = True) -> int:
         """Load a :meth:`state_blob` (before serving: no microbatch in flight). Any step this replica had
         accumulated is dropped (its gradients were of the weights replaced); ``partial`` (this peer's own
         checkpoint) restores the blob's partial step instead, if it has one and it fits this run (else it is
-        dropped with a warning). Returns the microbatches of the step restored.
+        dropped with a warning). Returns the microbatches of the step restored. ``chain`` false: the blob is a
+        peer's of another replica chain (fixed routes), whose reference moves and fits are its chain's, not this
+        peer's: only the rest is loaded.
 
         A blob that is not a state of this stage (damaged, truncated, another model's shapes, non-finite values, an
         optimizer or DP state that does not load) is a ValueError, and the replica keeps its own state whole: what
@@ -734,6 +736,8 @@ class StageHost:
         the step accumulated so far)."""
         state = _read_state_blob(blob)
         self._check_weights(state["weights"])
+        if not chain:
+            state = {k: v for k, v in state.items() if k not in ("fits", "reference_moves")}
         backup = self._state_blob(partial=True)
         try:
             return self._apply_state(state, partial)

@@ -22,11 +22,13 @@ microbatch is refused.
 A peer's state (its checkpoint, what a joining partner copies) holds every move it applied and holds
 (:meth:`SwarmReference.state_dict`): a restarted peer replays them and codes against the same reference again.
 
-What it does not do yet: each stage's moves come from one peer (a second peer of a stage would move its own chain's
-reference, and a follower would need one reference per chain or fixed routes: a second peer's move of a version
-already taken is refused with that reason); a peer that joins after the first move without such a state starts from
-the pretrained reference and cannot follow (its requests are refused by digest). ``meshnode join`` refuses DP with
-the refresh.
+With DP the swarm keeps fixed routes (:func:`~meshnode.node.claim.fixed_routes`): every peer takes a replica chain,
+calls only the next stage's peer of its chain and sends its moves to its chain's followers only, so each chain moves
+its own reference towards its own weights, as each replica chain of the in-process mesh does. A peer that joins with
+no state of its chain (a new peer, or one that loaded another chain's weights) starts from the pretrained reference
+and catches up: the moves it lacks are fetched in order from its chain's peers when a microbatch needs them. A second
+peer of a stage in one chain would move its own reference too: its moves are refused (the first sender of a version
+wins) and a warning names it.
 """
 
 from __future__ import annotations
@@ -86,6 +88,8 @@ class SwarmReference:
         self.history: list[tuple[int, int, Move]] = []  # every move applied, in order: a restart replays them
         self._arrived = asyncio.Condition()
         self._apply_lock = asyncio.Lock()
+        self._fetch_lock = asyncio.Lock()  # one microbatch asks the swarm for missing moves (or makes a late one)
+        self._make_lock = asyncio.Lock()  # a late move of this stage is made once, however many ask for it
         # pending and history change together under this lock, on the loop or the host's thread: a state taken on
         # the thread (state_dict) sees every move in one of them exactly once
         self._book = threading.Lock()
@@ -94,6 +98,11 @@ class SwarmReference:
         self.shared = {b: sorted(set(_needed(b, self.num_stages, cfg.mask.reference))
                                  & set(_needed(b + 1, self.num_stages, cfg.mask.reference)))
                        for b in range(self.num_stages - 1)}
+
+    def has_moved(self) -> bool:
+        """Whether this peer's reference has taken or holds any move (it is then its chain's)."""
+        with self._book:
+            return bool(self.history) or any(self.pending.values())
 
     def version_of(self, step: int) -> int:
         return step // self.period
@@ -149,10 +158,13 @@ class SwarmReference:
 
     # ---- the others' moves -----------------------------------------------------------------
 
-    async def receive(self, request: dict[str, Any], sender: str, own: bool = False) -> dict[str, Any]:
+    async def receive(self, request: dict[str, Any], sender: str, own: bool = False,
+                      fetched: bool = False) -> dict[str, Any]:
         """``rpc_reference_move``: a move of another stage, checked and held until its step (WireError if it is
         malformed, of a stage or version this peer does not expect, or from a second peer of that stage). ``own``:
-        a move of this peer's own stage that it fetched (made by the stage's peer before this one restarted)."""
+        a move of this peer's own stage that it fetched (made by the stage's peer before this one restarted).
+        ``fetched``: asked for by this peer, in order (:meth:`_fetch_missing`), so however far ahead of its
+        reference (a peer that joined late catches up), and not the stage's sender (a follower may answer)."""
         stage, version, move = parse_reference_move(request, run=self.host.run_id, num_stages=self.num_stages)
         if (stage == self.stage and not own) or stage not in self.needed:
             raise WireError(f"a reference move of stage {stage}: this peer (stage {self.stage}) does not follow it")
@@ -164,16 +176,17 @@ class SwarmReference:
         async with self._arrived:
             if version in self.pending[stage] or version <= self.reference.versions[stage]:
                 first = self.senders.get((stage, version))
-                if first is not None and first != sender:  # two peers of the stage, each moving its own chain's
+                if first is not None and first != sender and not fetched:  # two peers of a stage (and chain)
                     raise WireError(f"reference move {version} of stage {stage} came from peer {first[-8:]} already: "
                                     "a moving reference follows one peer per stage (one replica chain) in this "
                                     "version of meshnode")
                 return {"ok": True, "held": True}  # a resend: taken already
-            if version > self.reference.versions[stage] + MAX_EARLY_VERSIONS:
+            if version > self.reference.versions[stage] + MAX_EARLY_VERSIONS and not fetched:
                 raise WireError(f"reference move {version} of stage {stage} is more than {MAX_EARLY_VERSIONS} ahead "
                                 f"of version {self.reference.versions[stage]} held here")
             self._hold(stage, version, move)
-            self.senders[(stage, version)] = sender  # a peer that replaced the stage's last one may send the next
+            if not fetched:  # a peer that replaced the stage's last one may send the next
+                self.senders[(stage, version)] = sender
             self._arrived.notify_all()
         return {"ok": True}
 
@@ -209,7 +222,9 @@ class SwarmReference:
                 raise StageError(f"stage {self.stage}: reference move {target} of stage(s) {missing} did not arrive "
                                  f"within {MOVE_WAIT_S:.0f} s (its peer left, or this peer joined after it was "
                                  "sent)")
-            await self._fetch_missing(target)
+            async with self._fetch_lock:  # the microbatches waiting beside it find what it fetched
+                if self._missing(target):
+                    await self._fetch_missing(target)
         async with self._apply_lock:  # one microbatch applies; the others find the reference there
             moves = [(s, v, self.pending[s][v]) for s in self.needed
                      for v in range(self.reference.versions[s] + 1, target + 1) if v in self.pending[s]]
@@ -238,7 +253,7 @@ class SwarmReference:
                         continue
                     if got is None:
                         break
-                    await self.receive(got[1], got[0], own=s == self.stage)
+                    await self.receive(got[1], got[0], own=s == self.stage, fetched=True)
                     self.fetched += 1
                     logger.warning("stage %d: reference move %d of stage %d was not pushed here; fetched it from %s",
                                    self.stage, v, s, got[0][-8:])
@@ -250,9 +265,12 @@ class SwarmReference:
     async def _make_late(self, version: int) -> None:
         """This stage's move ``version``, made now from the live weights: its previous peer died before it reached
         anyone (and this peer restarted from a checkpoint older than it), so every peer takes this one instead."""
-        logger.warning("stage %d: reference move %d of this stage is held by no peer (its maker stopped before "
-                       "sending it); making it now from this peer's weights", self.stage, version)
-        await self._make_and_send(version)
+        async with self._make_lock:  # two askers at once: one move
+            if version in self.pending[self.stage] or version <= self.reference.versions[self.stage]:
+                return
+            logger.warning("stage %d: reference move %d of this stage is held by no peer (its maker stopped before "
+                           "sending it); making it now from this peer's weights", self.stage, version)
+            await self._make_and_send(version)
 
     async def held_move(self, stage: int, version: int) -> dict[str, Any]:
         """``rpc_reference_move`` with ``fetch``: the move (stage, version) as pushed, if this peer holds it (applied
@@ -267,6 +285,7 @@ class SwarmReference:
                 move = next((m for s, v, m in self.history if (s, v) == (stage, version)), None)
         if move is None:
             raise WireError(f"reference move {version} of stage {stage} is not held by this peer")
+        self.host.worker.count("ref", move_nbytes(move))  # what the asker is sent
         return reference_move_request(run=self.host.run_id, stage=stage, version=version, move=move)
 
     def _hold(self, stage: int, version: int, move: Move) -> None:

@@ -270,6 +270,18 @@ class SwarmClient:
                        peer_id[-8:], owner[8:24] + "...")
         return owner
 
+    async def answers(self, peer_id: str, timeout: float = 3.0) -> bool:
+        """Whether ``peer_id`` answers a call now (``rpc_owner``): a record of a peer that died stays in the DHT until
+        it expires."""
+        try:
+            await call_rpc(self.p2p, PeerID.from_base58(peer_id), f"{self.run_id}.rpc_owner", {},
+                           max_bytes=OWNER_REPLY_MAX_BYTES, timeout=timeout, connect_timeout=timeout)
+            return True
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 (unreachable, or not a peer of this run)
+            return False
+
     async def refresh_full(self, max_age: float = 1.0) -> list[PeerRecord]:
         """A full read of the records, unless one finished less than ``max_age`` seconds ago (several callers
         confirming the same thing at once share one read)."""
@@ -311,13 +323,16 @@ class SwarmClient:
     # ---- routing ---------------------------------------------------------------------------
 
     def candidates(self, stage: int, exclude: set[str] = frozenset(),
-                   include_avoided: bool = False) -> list[PeerRecord]:
+                   include_avoided: bool = False, chain: int | None = None) -> list[PeerRecord]:
+        """The online peers of ``stage`` in the order to try them; ``chain``: only those of that replica chain (their
+        announced shard; fixed routes, :func:`.claim.fixed_routes`)."""
         now = time.monotonic()
         out = [
             p for p in self.peers
             if p.stage == stage and p.role in ("fast", "driver") and p.state == "online"
             and p.peer_id != self.peer_id and p.peer_id not in exclude
             and (include_avoided or self._avoid.get(p.peer_id, 0) < now)
+            and (chain is None or p.shard == chain)
         ]
         return order_candidates(out, self._inflight)
 
@@ -326,7 +341,7 @@ class SwarmClient:
 
     async def call_stage(
         self, stage: int, build: Callable[[int], dict[str, Any]], handler: str = "rpc_forward", *,
-        stall_timeout: float = 60.0, is_stopping: Callable[[], bool] = lambda: False,
+        stall_timeout: float = 60.0, is_stopping: Callable[[], bool] = lambda: False, chain: int | None = None,
     ) -> dict[str, Any]:
         """Call ``handler`` on a peer of ``stage``, retrying on other peers; ``build(nonce, peer_id)`` makes the
         request for the peer it goes to.
@@ -339,7 +354,8 @@ class SwarmClient:
         avoided for ``STREAM_CUT_PAUSE_S``, so that a dead replica plus cut streams on the live one cost a
         second, not ``stall_timeout`` spent waiting for a peer that was never tried (a 61 s stall in a CI run
         of the churn test). Only when no peer of the stage is in the snapshot does it wait, up to
-        ``stall_timeout``; a stage whose peers keep answering "busy" is waited on as long, then given up."""
+        ``stall_timeout``; a stage whose peers keep answering "busy" is waited on as long, then given up.
+        ``chain``: only peers of that replica chain (fixed routes)."""
         assert self.limits is not None and self.p2p is not None
         tried: set[str] = set()
         recut: set[str] = set()  # peers whose stream was cut once in this call (and were asked again at once)
@@ -351,12 +367,12 @@ class SwarmClient:
             if again is not None:
                 peer, again = again, None
             else:
-                cands = self.candidates(stage, tried) or self.candidates(stage)
+                cands = self.candidates(stage, tried, chain=chain) or self.candidates(stage, chain=chain)
                 if not cands:
                     if time.monotonic() > deadline or is_stopping():
                         break
                     await asyncio.sleep(0.5)  # wait for a peer of that stage to (re)appear or its pause to pass
-                    await self.refresh(full=not self.candidates(stage, include_avoided=True))
+                    await self.refresh(full=not self.candidates(stage, include_avoided=True, chain=chain))
                     continue
                 peer = cands[0]
             tried.add(peer.peer_id)
@@ -397,7 +413,8 @@ class SwarmClient:
                 self.avoid(peer.peer_id, STREAM_CUT_PAUSE_S if isinstance(exc, WireError) else 15.0)
             finally:
                 self._inflight[peer.peer_id] -= 1
-        raise ChainError(f"stage {stage}: no peer could take the microbatch ({'; '.join(errors) or 'no peer online'})")
+        none = "no peer online" if chain is None else f"no peer of chain {chain} online"
+        raise ChainError(f"stage {stage}: no peer could take the microbatch ({'; '.join(errors) or none})")
 
     async def shutdown(self) -> None:
         for task in list(self._owner_tasks):

@@ -724,7 +724,10 @@ class MapStore:
         return dataclasses.replace(payload, meta=meta, tensors=tensors), key
 
     def _fit_from(self, parts: dict[str, Tensor]) -> MapFit:
-        mats = (MAP_TENSORS if self.rank else ()) + ((CODE_TENSORS[0],) if self.code_bits else ())
+        # a fit whose map a reference move withdrew (ResidualMap.forget_map) keeps its code: a sender that restored
+        # it under a new id (or the state of another chain) sends it so, and codes against it without a map
+        mapped = bool(self.rank) and (not self.code_bits or any(k in parts for k in MAP_TENSORS))
+        mats = (MAP_TENSORS if mapped else ()) + ((CODE_TENSORS[0],) if self.code_bits else ())
         bits = {n: self.basis_bits if n == CODE_TENSORS[0] else self.fit_bits for n in mats}
         steps = tuple(STEP_TENSORS[MATRIX_TENSORS.index(n)] for n in mats if bits[n] < 16)
         want = set(mats) | set(CODE_TENSORS if self.code_bits else ()) | set(steps)
@@ -750,7 +753,7 @@ class MapStore:
                     bool(torch.isfinite(step).all()) and bool((step >= 0).all())):
                 raise PayloadError(f"payload fit tensor {step_name!r} must be ({cols},) float32, finite and >= 0")
             dec[name] = _decode_columns(t, step, bits[name], self.hidden)
-        u, v = (dec[MAP_TENSORS[0]], dec[MAP_TENSORS[1]]) if self.rank else (None, None)
+        u, v = (dec[MAP_TENSORS[0]], dec[MAP_TENSORS[1]]) if mapped else (None, None)
         tf = None
         if self.code_bits:
             tf = Transform(dec[CODE_TENSORS[0]], *(parts[k] for k in CODE_TENSORS[1:]))
