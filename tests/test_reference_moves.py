@@ -123,7 +123,7 @@ def _hosts(cfg, cache_dir, lost: frozenset[int] = frozenset()):
             got += 1
         return got
 
-    async def fetch(stage: int, version: int):
+    async def fetch(stage: int, version: int, first: str | None = None):
         reply = await hosts[stage].reference_move({"run": "run", "fetch": [stage, version]}, "asker")
         return f"peer{stage}", unpack(pack(reply), limits.max_message_bytes)
 

@@ -248,29 +248,46 @@ class SwarmNode:
             host.after_step_hooks.append(host.ref_moves.after_step)
         return host
 
-    async def _fetch_move(self, stage: int, version: int) -> tuple[str, dict[str, Any]] | None:
-        """A reference move this peer was not pushed (:mod:`.refmoves`), from a peer that follows ``stage`` or else
-        from the stage's peer: (the peer that answered, the move as pushed), or None if none holds it."""
+    async def _fetch_move(self, stage: int, version: int, first: str | None = None
+                          ) -> tuple[str, dict[str, Any]] | None:
+        """A reference move this peer was not pushed (:mod:`.refmoves`): from ``first`` (the driver of the
+        microbatch that needs it), then a peer that follows ``stage``, then the stage's peer: (the peer that
+        answered, the move as pushed), or None if none holds it, also after a full read of the records (a peer
+        that came online since the last read, such as a driver that joined with the moves, is asked too)."""
         from hivemind.p2p import PeerID
 
         from ..protocol.servicer import call_rpc
 
         limits = self.host.limits
-        # the followers first: the stage's peer makes a move it does not hold (a restart), which must not replace
-        # one its previous process sent
+        asked = {self.swarm.peer_id}
+
+        async def ask(peer_id: str) -> tuple[str, dict[str, Any]] | None:
+            asked.add(peer_id)
+            try:
+                reply = await call_rpc(self.swarm.p2p, PeerID.from_base58(peer_id),
+                                       f"{self.run_id}.rpc_reference_move",
+                                       {"run": self.run_id, "fetch": [stage, version]},
+                                       max_bytes=limits.max_message_bytes, timeout=limits.rpc_timeout,
+                                       connect_timeout=limits.connect_timeout)
+                return peer_id, reply
+            except Exception as exc:  # noqa: BLE001 (not held there, or unreachable: the next peer)
+                logger.debug("reference move %d of stage %d not fetched from %s: %r", version, stage, peer_id[-8:],
+                             exc)
+                return None
+
+        if first is not None and first not in asked and (got := await ask(first)) is not None:
+            return got
+        # the followers before the stage's peer: it makes a move it does not hold (a restart), which must not
+        # replace one its previous process sent
         order = [*follower_stages(stage, self.num_stages, self.cfg.mask.reference), stage]
-        for s in order:
-            for p in self.swarm.candidates(s, include_avoided=True, chain=self._chain()):
-                try:
-                    reply = await call_rpc(self.swarm.p2p, PeerID.from_base58(p.peer_id),
-                                           f"{self.run_id}.rpc_reference_move",
-                                           {"run": self.run_id, "fetch": [stage, version]},
-                                           max_bytes=limits.max_message_bytes, timeout=limits.rpc_timeout,
-                                           connect_timeout=limits.connect_timeout)
-                    return p.peer_id, reply
-                except Exception as exc:  # noqa: BLE001 (not held there, or unreachable: the next peer)
-                    logger.debug("reference move %d of stage %d not fetched from %s: %r", version, stage,
-                                 p.peer_id[-8:], exc)
+        for fresh in (False, True):
+            if fresh:
+                with contextlib.suppress(Exception):
+                    await self.swarm.refresh_full()
+            for s in order:
+                for p in self.swarm.candidates(s, include_avoided=True, chain=self._chain()):
+                    if p.peer_id not in asked and (got := await ask(p.peer_id)) is not None:
+                        return got
         return None
 
     async def _push_move(self, stages: list[int], request: dict[str, Any]) -> int:

@@ -17,7 +17,9 @@ import asyncio
 import json
 import logging
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,6 +153,10 @@ class DemoOptions:
 
 
 def run_demo(opts: DemoOptions) -> dict[str, Any]:
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM (a `timeout`, a service manager) as Ctrl-C: the finally below stops every peer the demo started;
+        # without it the process died at once and left six peers training (seen with `timeout 900 meshnode demo`)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     console = Console(stderr=True)
     own_tmp = opts.workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="meshnode-demo-")) if own_tmp else Path(opts.workdir)

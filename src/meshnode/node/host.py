@@ -378,7 +378,7 @@ class StageHost:
         mbid = MicrobatchId(step, mb, driver)  # two drivers' same (step, mb) are two microbatches in flight
         try:
             if self.ref_moves is not None:  # the reference at this step's version before anything uses it
-                await self.ref_moves.at_step(step)
+                await self.ref_moves.at_step(step, driver)
             if reference is not _UNCHECKED and reference != self._boundary_digest(self.stage - 1):
                 raise WireError(self._reference_mismatch(reference))
             try:

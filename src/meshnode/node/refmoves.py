@@ -52,8 +52,9 @@ MAX_EARLY_VERSIONS = 2  # moves a peer holds ahead of the version it codes again
 
 # push(stages, request) -> the number of followers that took it
 Push = Callable[[list[int], dict[str, Any]], Awaitable[int]]
-# fetch(stage, version) -> (the peer that answered, its reference_move_request), or None if no peer holds it
-Fetch = Callable[[int, int], Awaitable[tuple[str, dict[str, Any]] | None]]
+# fetch(stage, version, first) -> (the peer that answered, its reference_move_request), or None if no peer holds it;
+# ``first``: a peer to ask before the others (the driver of the microbatch that needs it), or None
+Fetch = Callable[[int, int, str | None], Awaitable[tuple[str, dict[str, Any]] | None]]
 
 
 def _needed(stage: int, num_stages: int, mode: str) -> list[int]:
@@ -196,10 +197,11 @@ class SwarmReference:
         return [s for s in self.needed
                 if not all(v in self.pending[s] for v in range(self.reference.versions[s] + 1, target + 1))]
 
-    async def at_step(self, step: int) -> None:
+    async def at_step(self, step: int, driver: str | None = None) -> None:
         """Bring this peer's reference to the version of driver step ``step`` before a microbatch of it is
         computed: StageError if it is already past it, or a move has not arrived within :data:`MOVE_WAIT_S`
-        (each microbatch waits on its own, not behind another's wait)."""
+        (each microbatch waits on its own, not behind another's wait). ``driver``: the microbatch's driver, asked
+        first for a missing move (it coded the microbatch against them)."""
         target = self.version_of(step)
         ahead = [s for s in self.needed if self.reference.versions[s] > target]
         if ahead:
@@ -224,7 +226,7 @@ class SwarmReference:
                                  "sent)")
             async with self._fetch_lock:  # the microbatches waiting beside it find what it fetched
                 if self._missing(target):
-                    await self._fetch_missing(target)
+                    await self._fetch_missing(target, driver)
         async with self._apply_lock:  # one microbatch applies; the others find the reference there
             moves = [(s, v, self.pending[s][v]) for s in self.needed
                      for v in range(self.reference.versions[s] + 1, target + 1) if v in self.pending[s]]
@@ -239,7 +241,7 @@ class SwarmReference:
             raise StageError(f"stage {self.stage}: the reference did not reach version {target} (a move failed to "
                              "apply; see the log)")
 
-    async def _fetch_missing(self, target: int) -> None:
+    async def _fetch_missing(self, target: int, first: str | None = None) -> None:
         """Ask the swarm for each move up to ``target`` not held (a push that was lost, or never reached this peer)
         and take it as if pushed."""
         for s in self._missing(target):
@@ -247,7 +249,7 @@ class SwarmReference:
                 if v in self.pending[s]:
                     continue
                 try:
-                    got = await self.fetch(s, v)
+                    got = await self.fetch(s, v, first)
                     if got is None and s == self.stage and not self.pending[s] and v == self.reference.versions[s] + 1:
                         await self._make_late(v)  # its own move, which no peer holds: this peer restarted
                         continue
