@@ -275,3 +275,49 @@ def test_moves_follow_the_driver_steps_of_a_peer_whose_step_count_is_off(tiny_cf
         assert hosts[1].opt_step == 6 and hosts[0].opt_step == 3
 
     asyncio.run(go())
+
+
+def test_a_peer_far_behind_catches_up_in_order_within_the_records_horizon(tiny_cfg, cache_dir, monkeypatch):
+    """A peer that joined with no moves (fixed routes: a new peer of a chain) fetches the moves it lacks in order,
+    however many (past the 2 versions a push may run ahead), but none beyond the version of the newest driver step
+    the signed records show (+2), whatever step a microbatch names; and it takes no answer that is not the move it
+    asked for."""
+    from meshnode.node import refmoves
+    from meshnode.node.refmoves import SwarmReference
+
+    monkeypatch.setattr(refmoves, "FETCH_AFTER_S", 0.1)
+    monkeypatch.setattr(refmoves, "MOVE_WAIT_S", 1.0)
+    cfg = tiny_cfg("model.stages=2", "mask.codec=rotq", "mask.bits=2", "mask.reference=both", "train.microbatches=1",
+                   "mask.reference_refresh=1", "mask.reference_refresh_rank=1", "mask.reference_refresh_bits=8")
+    hosts = _hosts(cfg, cache_dir)
+    ids = torch.randint(0, 200, (cfg.train.batch_size, cfg.data.seq_len))
+    limits = hosts[0].limits
+    horizon = {"step": 1}
+    swap = {"on": False}
+
+    async def fetch(stage: int, version: int, first: str | None = None):
+        if swap["on"]:  # a peer that answers with another move than the one asked for
+            version = version + 1
+        reply = await hosts[0].reference_move({"run": "run", "fetch": [stage, version]}, "asker")
+        return "peer0", unpack(pack(reply), limits.max_message_bytes)
+
+    async def go():
+        await _steps(hosts, ids, 6)  # moves 1..5 made by both stages, held by stage 0's peer
+        fresh = _hosts(cfg, cache_dir)[1]
+        fresh.ref_moves = SwarmReference(fresh, push=None, fetch=fetch, horizon=lambda: horizon["step"])
+        with pytest.raises(StageError, match="did not arrive"):
+            await fresh.ref_moves.at_step(10 ** 9)  # a forged step: fetched only up to the records' version + 2
+        assert max(fresh.ref_moves.pending[0]) == max(fresh.ref_moves.pending[1]) == 3
+        assert fresh.worker.reference.versions == [0, 0]
+        horizon["step"] = 5
+        await fresh.ref_moves.at_step(5)  # five versions behind: fetched in order, applied at once
+        assert fresh.worker.reference.versions == [5, 5] and fresh.ref_moves.fetched == 10
+        assert fresh.ref_moves.boundary_digest(0) == hosts[0].ref_moves.boundary_digest(0)
+        late = _hosts(cfg, cache_dir)[1]
+        late.ref_moves = SwarmReference(late, push=None, fetch=fetch, horizon=lambda: horizon["step"])
+        swap["on"] = True
+        with pytest.raises(StageError, match="did not arrive"):
+            await late.ref_moves.at_step(2)
+        assert not any(late.ref_moves.pending.values()) and late.worker.reference.versions == [0, 0]
+
+    asyncio.run(go())

@@ -130,6 +130,7 @@ class SwarmNode:
         self.routes = fixed_routes(cfg)
         self.replicas = cfg.dp.replicas if cfg.dp.enabled or cfg.dp.replicas > 1 else 1
         self._chain_warned: int | None = None
+        self._ckpt_chain: int | None = None  # the chain the checkpoint this peer starts from was written in
         self.last_loss: float | None = None
         self.prior_step: int | None = None
         self.metrics = None
@@ -244,7 +245,8 @@ class SwarmNode:
         if reference is not None and self.cfg.mask.reference_refresh:
             from .refmoves import SwarmReference
 
-            host.ref_moves = SwarmReference(host, push=self._push_move, fetch=self._fetch_move)
+            host.ref_moves = SwarmReference(host, push=self._push_move, fetch=self._fetch_move, horizon=lambda: max(
+                driver_step(self.swarm.peers), self.driver_step if self.role == "driver" else 0))
             host.after_step_hooks.append(host.ref_moves.after_step)
         return host
 
@@ -275,7 +277,10 @@ class SwarmNode:
                              exc)
                 return None
 
-        if first is not None and first not in asked and (got := await ask(first)) is not None:
+        # the microbatch's driver names itself in an unauthenticated request: asked first only if its signed record
+        # says it is an online driver (of this peer's chain)
+        drivers = {p.peer_id for p in self.swarm.candidates(0, include_avoided=True, chain=self._chain())}
+        if first in drivers and first not in asked and (got := await ask(first)) is not None:
             return got
         # the followers before the stage's peer: it makes a move it does not hold (a restart), which must not
         # replace one its previous process sent
@@ -344,9 +349,12 @@ class SwarmNode:
                 current = chain if isinstance(chain, int) and not isinstance(chain, bool) else None
         with contextlib.suppress(Exception):  # every holder's copy: the chains this stage's other peers took
             await self.swarm.refresh(full=True)
+        self._ckpt_chain = current
         self.shard = await self._chain_now(self.swarm.peers, current)
         logger.info("stage %d: replica chain %d of %d (fixed routes: DP with a moving reference)", self.stage,
                     self.shard, self.replicas)
+        with contextlib.suppress(Exception):  # the others taking a chain now see this one's
+            await self.announce()
 
     async def _chain_now(self, peers: list[PeerRecord], current: int | None) -> int:
         """Fixed routes: the chain to hold, from :func:`.claim.choose_shard` among this stage's peers that answer
@@ -521,8 +529,15 @@ class SwarmNode:
         partial = 0
         if ckpt is not None and ckpt.is_file():
             blob = ckpt.read_bytes()
+            # fixed routes: a checkpoint of another chain (another peer took this one's while it was down) gives its
+            # weights, not its chain's reference moves and fits
+            mine = not self.routes or self._ckpt_chain == self.shard
+            if not mine:
+                logger.warning("stage %d: checkpoint %s was written in replica chain %s, this peer is in chain %d "
+                               "now: its reference moves are not loaded (this chain's are fetched)", self.stage,
+                               ckpt, self._ckpt_chain, self.shard)
             try:
-                partial = await host.run(host.load_state_blob, blob, True)
+                partial = await host.run(host.load_state_blob, blob, True, mine)
                 loaded_step = host.opt_step
             except ValueError as exc:  # damaged (a disk that filled up, a copy cut short): kept aside, not loaded
                 aside = ckpt.with_name(ckpt.name + ".damaged")
@@ -557,15 +572,19 @@ class SwarmNode:
             (logger.warning if self.moves else logger.info)(
                 "stage %d: no peer of it, no checkpoint and no anchor copy to load from; starting from the "
                 "pretrained weights", self.stage)
+        forked = False
         if self.routes:  # a peer of its own chain first: its reference moves and fits are this chain's
             others.sort(key=lambda p: p.shard != self.shard)
         for peer in others[:3]:
             try:
                 blob = await self._fetch_state(peer.peer_id)
                 own = not self.routes or peer.shard == self.shard
-                # another chain's state: its reference moves are that chain's. This peer's chain goes on from them
-                # (a fork) only if none of its peers has moved yet; else it fetches its own chain's moves
-                fork = not own and await self._fetch_move(self.stage, 1) is None
+                # another chain's state: its reference moves are that chain's. A driver's chain goes on from them (a
+                # fork) if none of its peers has moved yet; any other peer fetches its chain's moves (from its
+                # driver, which forked if the chain is new)
+                fork = (not own and self.role == "driver" and not host.ref_moves.has_moved()
+                        and await self._fetch_move(self.stage, 1) is None)
+                forked = forked or fork
                 await host.run(host.load_state_blob, blob, False, own or fork)
                 logger.info("loaded stage %d state (step %d) from peer %s%s", self.stage, host.opt_step,
                             peer.peer_id[-8:], "" if own else f" of replica chain {peer.shard} " + (
@@ -575,7 +594,13 @@ class SwarmNode:
                 break
             except Exception as exc:
                 logger.warning("could not load state from %s: %r", peer.peer_id[-8:], exc)
-        if self.role == "driver":
+        if self.role == "driver" and self.routes and not forked:
+            # fixed routes: this chain's own step (its peers' records), not another chain's: its reference has no
+            # move of a later step, and no peer of it would make one
+            steps = [p.driver_step or 0 for p in self.swarm.peers if p.shard == self.shard and p.state == "online"
+                     and p.role in ("driver", "fast") and p.peer_id != self.swarm.peer_id]
+            self.driver_step = max([self.driver_step, self._served_driver_step, *steps])
+        elif self.role == "driver":
             # the drivers' records, and the newest driver step the stage this peer left had served: a fast peer that
             # moved into a starved stage 0 (no driver record left) goes on from there, not from step 0
             steps = [p.driver_step or 0 for p in self.swarm.peers if p.role == "driver" and p.state == "online"]

@@ -153,10 +153,20 @@ class DemoOptions:
 
 
 def run_demo(opts: DemoOptions) -> dict[str, Any]:
-    if threading.current_thread() is threading.main_thread():
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    if main:
         # SIGTERM (a `timeout`, a service manager) as Ctrl-C: the finally below stops every peer the demo started;
         # without it the process died at once and left six peers training (seen with `timeout 900 meshnode demo`)
         signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        return _run_demo(opts)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run_demo(opts: DemoOptions) -> dict[str, Any]:
     console = Console(stderr=True)
     own_tmp = opts.workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="meshnode-demo-")) if own_tmp else Path(opts.workdir)

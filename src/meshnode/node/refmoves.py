@@ -67,7 +67,8 @@ class SwarmReference:
     """One peer's side of the moving reference: makes and sends its stage's moves, takes the others' and applies
     every move when a microbatch of the step it belongs to arrives (see the module docstring)."""
 
-    def __init__(self, host, push: Push | None, fetch: Fetch | None = None):
+    def __init__(self, host, push: Push | None, fetch: Fetch | None = None,
+                 horizon: Callable[[], int] | None = None):
         cfg = host.cfg
         self.host = host
         self.period = cfg.mask.reference_refresh
@@ -82,6 +83,9 @@ class SwarmReference:
         self.followers = follower_stages(self.stage, self.num_stages, cfg.mask.reference)
         self.push = push
         self.fetch = fetch
+        # the newest driver step the swarm's signed records show: a catch-up fetches no move beyond its version (+
+        # MAX_EARLY_VERSIONS), whatever step an unauthenticated forward request names
+        self.horizon = horizon
         self.fetched = 0  # moves this peer asked for after their push did not come
         self.pending: dict[int, dict[int, Move]] = {s: {} for s in self.needed}  # stage -> version -> move
         self.senders: dict[tuple[int, int], str] = {}  # (stage, version) -> the peer it came from
@@ -122,6 +126,8 @@ class SwarmReference:
         if nxt % self.period or nxt <= 0:
             return
         version = self.version_of(nxt)
+        if version in self.pending[self.stage]:
+            return  # made already, late, when a peer asked for it (held_move)
         if version != self.reference.versions[self.stage] + 1:
             logger.warning("stage %d: step %d would make reference move %d, but the reference holds version %d of "
                            "this stage; no move", self.stage, nxt, version, self.reference.versions[self.stage])
@@ -226,7 +232,7 @@ class SwarmReference:
                                  "sent)")
             async with self._fetch_lock:  # the microbatches waiting beside it find what it fetched
                 if self._missing(target):
-                    await self._fetch_missing(target, driver)
+                    await self._fetch_missing(target, driver, deadline)
         async with self._apply_lock:  # one microbatch applies; the others find the reference there
             moves = [(s, v, self.pending[s][v]) for s in self.needed
                      for v in range(self.reference.versions[s] + 1, target + 1) if v in self.pending[s]]
@@ -241,20 +247,31 @@ class SwarmReference:
             raise StageError(f"stage {self.stage}: the reference did not reach version {target} (a move failed to "
                              "apply; see the log)")
 
-    async def _fetch_missing(self, target: int, first: str | None = None) -> None:
+    async def _fetch_missing(self, target: int, first: str | None = None, deadline: float | None = None) -> None:
         """Ask the swarm for each move up to ``target`` not held (a push that was lost, or never reached this peer)
-        and take it as if pushed."""
+        and take it as if pushed; not beyond :attr:`horizon`'s version + :data:`MAX_EARLY_VERSIONS`, nor past
+        ``deadline`` (the loop's clock)."""
+        loop = asyncio.get_running_loop()
+        if self.horizon is not None:
+            target = min(target, self.version_of(max(self.horizon(), 0)) + MAX_EARLY_VERSIONS)
         for s in self._missing(target):
             for v in range(self.reference.versions[s] + 1, target + 1):
                 if v in self.pending[s]:
                     continue
+                if deadline is not None and loop.time() > deadline:
+                    return
                 try:
                     got = await self.fetch(s, v, first)
-                    if got is None and s == self.stage and not self.pending[s] and v == self.reference.versions[s] + 1:
-                        await self._make_late(v)  # its own move, which no peer holds: this peer restarted
+                    if (got is None and s == self.stage and not self.pending[s] and v == target
+                            and v == self.reference.versions[s] + 1):
+                        await self._make_late(v)  # its own next move, which no peer holds: this peer restarted
                         continue
                     if got is None:
                         break
+                    asked = parse_reference_move(got[1], run=self.host.run_id, num_stages=self.num_stages)[:2]
+                    if asked != (s, v):
+                        raise WireError(f"asked for reference move {v} of stage {s}, sent move {asked[1]} of stage "
+                                        f"{asked[0]}")
                     await self.receive(got[1], got[0], own=s == self.stage, fetched=True)
                     self.fetched += 1
                     logger.warning("stage %d: reference move %d of stage %d was not pushed here; fetched it from %s",

@@ -270,7 +270,7 @@ class SwarmClient:
                        peer_id[-8:], owner[8:24] + "...")
         return owner
 
-    async def answers(self, peer_id: str, timeout: float = 3.0) -> bool:
+    async def answers(self, peer_id: str, timeout: float = 10.0) -> bool:
         """Whether ``peer_id`` answers a call now (``rpc_owner``): a record of a peer that died stays in the DHT until
         it expires."""
         try:
