@@ -321,3 +321,28 @@ def test_a_peer_far_behind_catches_up_in_order_within_the_records_horizon(tiny_c
         assert not any(late.ref_moves.pending.values()) and late.worker.reference.versions == [0, 0]
 
     asyncio.run(go())
+
+
+def test_a_move_of_another_replica_chain_is_refused(tiny_cfg, cache_dir):
+    """Fixed routes: a move names its sender's replica chain, and a peer takes only its own chain's (a sender with an
+    old view of the chains, or a peer that has just changed chains, would otherwise mix two chains' references)."""
+    cfg = tiny_cfg("model.stages=2", "mask.codec=rotq", "mask.bits=2", "mask.reference=both", "train.microbatches=1",
+                   "mask.reference_refresh=1", "mask.reference_refresh_rank=1", "mask.reference_refresh_bits=8")
+    hosts = _hosts(cfg, cache_dir)
+    hosts[1].ref_moves.chain = lambda: 1
+    move = hosts[0].ref_moves._make()
+
+    async def go():
+        for chain in (0, None):
+            with pytest.raises(WireError, match=f"replica chain {chain}: this peer is in chain 1"):
+                await hosts[1].reference_move(reference_move_request(run="run", stage=0, version=1, move=move,
+                                                                     chain=chain), "peer0")
+        assert not hosts[1].ref_moves.pending[0]
+        await hosts[1].reference_move(reference_move_request(run="run", stage=0, version=1, move=move, chain=1),
+                                      "peer0")
+        assert 1 in hosts[1].ref_moves.pending[0]
+        with pytest.raises(WireError, match="chain"):
+            await hosts[1].reference_move({**reference_move_request(run="run", stage=0, version=2, move=move),
+                                           "chain": "one"}, "peer0")
+
+    asyncio.run(go())

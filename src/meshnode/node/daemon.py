@@ -246,7 +246,7 @@ class SwarmNode:
             from .refmoves import SwarmReference
 
             host.ref_moves = SwarmReference(host, push=self._push_move, fetch=self._fetch_move, horizon=lambda: max(
-                driver_step(self.swarm.peers), self.driver_step if self.role == "driver" else 0))
+                driver_step(self.swarm.peers), self.driver_step if self.role == "driver" else 0), chain=self._chain)
             host.after_step_hooks.append(host.ref_moves.after_step)
         return host
 

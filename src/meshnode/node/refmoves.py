@@ -39,7 +39,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..protocol.messages import WireError, parse_reference_move, reference_move_request
+from ..protocol.messages import WireError, parse_reference_move, reference_move_chain, reference_move_request
 from ..stage import StageError
 from ..stage.moves import Move, check_move, make_move, move_nbytes
 from ..stage.reference import follower_stages, peer_plan
@@ -68,7 +68,7 @@ class SwarmReference:
     every move when a microbatch of the step it belongs to arrives (see the module docstring)."""
 
     def __init__(self, host, push: Push | None, fetch: Fetch | None = None,
-                 horizon: Callable[[], int] | None = None):
+                 horizon: Callable[[], int] | None = None, chain: Callable[[], int | None] | None = None):
         cfg = host.cfg
         self.host = host
         self.period = cfg.mask.reference_refresh
@@ -86,6 +86,7 @@ class SwarmReference:
         # the newest driver step the swarm's signed records show: a catch-up fetches no move beyond its version (+
         # MAX_EARLY_VERSIONS), whatever step an unauthenticated forward request names
         self.horizon = horizon
+        self.chain = chain or (lambda: None)  # this peer's replica chain (fixed routes), named in what it sends
         self.fetched = 0  # moves this peer asked for after their push did not come
         self.pending: dict[int, dict[int, Move]] = {s: {} for s in self.needed}  # stage -> version -> move
         self.senders: dict[tuple[int, int], str] = {}  # (stage, version) -> the peer it came from
@@ -141,7 +142,8 @@ class SwarmReference:
             self._hold(self.stage, version, move)
             self._arrived.notify_all()
         if self.push is not None and self.followers:
-            request = reference_move_request(run=self.host.run_id, stage=self.stage, version=version, move=move)
+            request = reference_move_request(run=self.host.run_id, stage=self.stage, version=version, move=move,
+                                             chain=self.chain())
             task = asyncio.create_task(self._send(version, request, move_nbytes(move)))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -173,6 +175,9 @@ class SwarmReference:
         ``fetched``: asked for by this peer, in order (:meth:`_fetch_missing`), so however far ahead of its
         reference (a peer that joined late catches up), and not the stage's sender (a follower may answer)."""
         stage, version, move = parse_reference_move(request, run=self.host.run_id, num_stages=self.num_stages)
+        chain, mine = reference_move_chain(request), self.chain()
+        if chain != mine:  # fixed routes: a sender with an old view of the chains (or a peer of no chain, or none)
+            raise WireError(f"a reference move of replica chain {chain}: this peer is in chain {mine}")
         if (stage == self.stage and not own) or stage not in self.needed:
             raise WireError(f"a reference move of stage {stage}: this peer (stage {self.stage}) does not follow it")
         held = dict(self.reference.stages[stage].named_parameters())
@@ -305,7 +310,8 @@ class SwarmReference:
         if move is None:
             raise WireError(f"reference move {version} of stage {stage} is not held by this peer")
         self.host.worker.count("ref", move_nbytes(move))  # what the asker is sent
-        return reference_move_request(run=self.host.run_id, stage=stage, version=version, move=move)
+        return reference_move_request(run=self.host.run_id, stage=stage, version=version, move=move,
+                                      chain=self.chain())
 
     def _hold(self, stage: int, version: int, move: Move) -> None:
         with self._book:

@@ -356,13 +356,22 @@ def _parse_common(obj: dict[str, Any], run: str, receiver_stage: int) -> Microba
     )
 
 
-def reference_move_request(*, run: str, stage: int, version: int, move: dict[str, dict[str, Tensor]]
-                           ) -> dict[str, Any]:
+def reference_move_request(*, run: str, stage: int, version: int, move: dict[str, dict[str, Tensor]],
+                           chain: int | None = None) -> dict[str, Any]:
     """``rpc_reference_move``: version ``version`` of stage ``stage``'s reference move (:mod:`meshnode.stage.moves`),
-    ``{name: {part: [dtype, shape, bytes]}}``."""
-    return {"run": run, "stage": int(stage), "version": int(version),
-            "move": {n: {k: [str(t.dtype).removeprefix("torch."), list(t.shape), tensor_to_bytes(t)]
-                         for k, t in parts.items()} for n, parts in move.items()}}
+    ``{name: {part: [dtype, shape, bytes]}}``; ``chain``: the replica chain of the peer that sends it (fixed
+    routes; :func:`reference_move_chain`)."""
+    out = {"run": run, "stage": int(stage), "version": int(version),
+           "move": {n: {k: [str(t.dtype).removeprefix("torch."), list(t.shape), tensor_to_bytes(t)]
+                        for k, t in parts.items()} for n, parts in move.items()}}
+    if chain is not None:
+        out["chain"] = int(chain)
+    return out
+
+
+def reference_move_chain(obj: dict[str, Any]) -> int | None:
+    """The replica chain a :func:`reference_move_request` names (None: none named)."""
+    return None if obj.get("chain") is None else _int(obj, "chain", 0, 65535)
 
 
 MAX_MOVE_PARTS = 4  # a low-rank matrix in int8: a, a_scale, b, b_scale
@@ -407,7 +416,7 @@ def reply_error(message: str) -> dict[str, Any]:
 __all__ = [
     "ALLOWED_CODECS", "MicrobatchRequest", "PROTOCOL_VERSION", "TENSOR_DTYPES", "WireError", "backward_request",
     "forward_request", "labels_from_wire", "labels_to_wire", "pack", "parse_backward", "parse_forward",
-    "parse_reference_move", "payload_from_wire", "payload_to_wire", "read_frame", "reference_move_request",
-    "reply_error", "reply_ok", "tensor_from_bytes",
+    "parse_reference_move", "payload_from_wire", "payload_to_wire", "read_frame", "reference_move_chain",
+    "reference_move_request", "reply_error", "reply_ok", "tensor_from_bytes",
     "tensor_to_bytes", "unpack", "write_frame",
 ]
