@@ -168,13 +168,17 @@ class SwarmReference:
     # ---- the others' moves -----------------------------------------------------------------
 
     async def receive(self, request: dict[str, Any], sender: str, own: bool = False,
-                      fetched: bool = False) -> dict[str, Any]:
+                      fetched: tuple[int, int] | None = None) -> dict[str, Any]:
         """``rpc_reference_move``: a move of another stage, checked and held until its step (WireError if it is
         malformed, of a stage or version this peer does not expect, or from a second peer of that stage). ``own``:
         a move of this peer's own stage that it fetched (made by the stage's peer before this one restarted).
-        ``fetched``: asked for by this peer, in order (:meth:`_fetch_missing`), so however far ahead of its
-        reference (a peer that joined late catches up), and not the stage's sender (a follower may answer)."""
+        ``fetched``: the (stage, version) this peer asked for, in order (:meth:`_fetch_missing`): the move must be
+        that one, may be however far ahead of its reference (a peer that joined late catches up), and need not come
+        from the stage's sender (a follower may answer)."""
         stage, version, move = parse_reference_move(request, run=self.host.run_id, num_stages=self.num_stages)
+        if fetched is not None and (stage, version) != fetched:
+            raise WireError(f"asked for reference move {fetched[1]} of stage {fetched[0]}, sent move {version} of "
+                            f"stage {stage}")
         chain, mine = reference_move_chain(request), self.chain()
         if chain != mine:  # fixed routes: a sender with an old view of the chains (or a peer of no chain, or none)
             raise WireError(f"a reference move of replica chain {chain}: this peer is in chain {mine}")
@@ -273,11 +277,7 @@ class SwarmReference:
                         continue
                     if got is None:
                         break
-                    asked = parse_reference_move(got[1], run=self.host.run_id, num_stages=self.num_stages)[:2]
-                    if asked != (s, v):
-                        raise WireError(f"asked for reference move {v} of stage {s}, sent move {asked[1]} of stage "
-                                        f"{asked[0]}")
-                    await self.receive(got[1], got[0], own=s == self.stage, fetched=True)
+                    await self.receive(got[1], got[0], own=s == self.stage, fetched=(s, v))
                     self.fetched += 1
                     logger.warning("stage %d: reference move %d of stage %d was not pushed here; fetched it from %s",
                                    self.stage, v, s, got[0][-8:])
